@@ -1,0 +1,112 @@
+"""The one writer: put rendered files under a root atomically, report what changed, reload what must.
+
+Every file is written to a temporary file in its own directory, synced, then renamed over the old one,
+so a crash or a full disk never leaves a half-written unit or ruleset under /etc.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance import paths
+
+FILE_MODE = 0o644
+
+
+class ApplyError(Exception):
+    """A write or a reload failed; the message names the file or command and what it said."""
+
+
+@dataclass(frozen=True)
+class Change:
+    path: str  # relative to the root
+    old: str | None
+    new: str
+
+    @property
+    def kind(self) -> str:
+        return "create" if self.old is None else "update"
+
+    def diff(self) -> str:
+        return "".join(
+            difflib.unified_diff(
+                (self.old or "").splitlines(keepends=True),
+                self.new.splitlines(keepends=True),
+                fromfile=f"a/{self.path}" if self.old is not None else "/dev/null",
+                tofile=f"b/{self.path}",
+            )
+        )
+
+
+def changes(files: dict[str, str], root: Path) -> list[Change]:
+    found = []
+    for relative, text in sorted(files.items()):
+        target = root / relative
+        try:
+            old: str | None = target.read_text()
+        except FileNotFoundError:
+            old = None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ApplyError(f"cannot read {target}: {exc}") from None
+        if old != text:
+            found.append(Change(relative, old, text))
+    return found
+
+
+def write_atomically(target: Path, text: str, mode: int = FILE_MODE) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(temporary, mode)
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def write(found: list[Change], root: Path) -> None:
+    for change in found:
+        try:
+            write_atomically(root / change.path, change.new)
+        except OSError as exc:
+            raise ApplyError(
+                f"cannot write {root / change.path}: {exc.strerror}; nothing after it was written"
+            ) from None
+
+
+def systemd_running() -> bool:
+    return Path("/run/systemd/system").is_dir()
+
+
+def reload_system(found: list[Change]) -> list[str]:
+    """After a write to the live root: reload systemd for unit changes, load the ruleset if it changed."""
+    done = []
+    if any(c.path.startswith("etc/systemd/") for c in found) and systemd_running():
+        _run(["systemctl", "daemon-reload"])
+        done.append("systemctl daemon-reload")
+    ruleset = [c for c in found if c.path.endswith(".nft")]
+    if ruleset and shutil.which("nft"):
+        _run(["nft", "-f", f"/{ruleset[0].path}"])
+        done.append(f"nft -f /{ruleset[0].path}")
+    return done
+
+
+def _run(argv: list[str]) -> None:
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise ApplyError(f"`{' '.join(argv)}` exited {result.returncode}: {(result.stderr or result.stdout).strip()}")
+
+
+def installed_spec_path(spec_path: Path) -> Path:
+    """The rendered units refer to the spec where apply installs it: /etc/llm-appliance/NAME."""
+    return paths.ETC / spec_path.name

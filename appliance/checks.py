@@ -1,0 +1,106 @@
+"""Checks that need several fields of the spec but nothing outside it."""
+
+from __future__ import annotations
+
+from appliance.load import LoadedSpec
+from appliance.problems import Problem, error, warning
+from appliance.spec import Model
+
+QUANTIZED_CACHE = {"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"}
+FAST_N_MAX = 16
+
+
+def spec_problems(loaded: LoadedSpec) -> list[Problem]:
+    spec = loaded.spec
+    found: list[Problem] = []
+    spec_type = spec.speculative
+    if spec_type.n_min > spec_type.n_max:
+        found.append(
+            error(
+                "speculative.n_min",
+                f"n_min {spec_type.n_min} is above n_max {spec_type.n_max}",
+                f"set n_min to at most {spec_type.n_max} (3 is typical)",
+            )
+        )
+    if spec_type.n_max > FAST_N_MAX:
+        found.append(
+            warning(
+                "speculative.n_max",
+                f"K = {spec_type.n_max} drafts more tokens than a draft usually gets accepted",
+                "4-6 suits chat, 6-8 long output; measure with `llm-appliance tune`",
+            )
+        )
+    if spec.models.draft is not None and not spec_type.type.startswith("draft-"):
+        found.append(
+            error(
+                "speculative.type",
+                f"a draft model is configured but type is {spec_type.type!r}, which never uses it",
+                'set type = "draft-simple", or remove [models.draft]',
+            )
+        )
+    if spec.models.draft is None and spec_type.type.startswith("draft-"):
+        found.append(
+            warning(
+                "models.draft",
+                f"speculative.type is {spec_type.type!r} but no draft model is configured: speculation is off",
+                'add [models.draft] with a same-family GGUF, or set speculative.type = "none"',
+            )
+        )
+    if spec.server.port == spec.prometheus.port:
+        found.append(
+            error(
+                "prometheus.port",
+                f"the health exporter and llama-server would both listen on port {spec.server.port}",
+                f"choose another port, e.g. prometheus.port = {spec.server.port + 1400}",
+            )
+        )
+    if not spec.server.host_is_loopback:
+        if spec.server.api_key_file is None:
+            found.append(
+                error(
+                    "server.api_key_file",
+                    f"server.host {spec.server.host} is reachable from the network but no API key is set",
+                    'set api_key_file to a root-owned file with one key per line (mode 0640), or host = "127.0.0.1"',
+                )
+            )
+        if not loaded.key_lines.has("network.allow"):
+            found.append(
+                error(
+                    "network.allow",
+                    f"server.host {spec.server.host} listens beyond loopback but no client networks are allowed",
+                    'list the client networks, e.g. allow = ["127.0.0.0/8", "192.168.1.0/24"]',
+                )
+            )
+    if spec.server.api_key_file is not None and not spec.server.api_key_file.is_file():
+        found.append(
+            error(
+                "server.api_key_file",
+                f"{spec.server.api_key_file} does not exist",
+                f"create it: install -m 0640 /dev/null {spec.server.api_key_file} and write one key per line",
+            )
+        )
+    for role, model in (("target", spec.models.target), ("draft", spec.models.draft)):
+        if model is not None:
+            found += _cache_problems(f"models.{role}", model, spec.server.flash_attn)
+    return found
+
+
+def _cache_problems(field: str, model: Model, flash_attn: str) -> list[Problem]:
+    found = []
+    if model.cache_type_v in QUANTIZED_CACHE and flash_attn == "off":
+        found.append(
+            error(
+                f"{field}.cache_type_v",
+                f"a quantized V cache ({model.cache_type_v}) needs flash attention, and server.flash_attn is off: llama.cpp refuses to create the context",
+                'set server.flash_attn = "auto" or "on", or cache_type_v = "f16"',
+            )
+        )
+    if model.cache_type_k != model.cache_type_v and any(d.startswith("CUDA") for d in model.devices):
+        found.append(
+            warning(
+                f"{field}.cache_type_k",
+                f"K cache {model.cache_type_k} and V cache {model.cache_type_v} differ: the default CUDA build has flash-attention kernels only for matching pairs",
+                "use the same type for both (f16/f16, q8_0/q8_0 or q4_0/q4_0)",
+            )
+        )
+    return found

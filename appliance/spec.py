@@ -1,0 +1,184 @@
+"""The appliance spec as written by the user: one TOML file, modelled strictly (unknown keys rejected).
+
+Every field has a default that suits the single-GPU example, so a spec states only what differs.
+Checks that need more than one field, or the model files, live in `validate.py` and `plan.py`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+GpuLayers = Annotated[int, Field(ge=0, le=1000)] | Literal["auto", "all"]
+DEVICE_NAME = re.compile(r"^(none|[A-Za-z]+[0-9]+)$")
+DEFAULT_BINARY = "/opt/llm-appliance/engine/bin/llama-server"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Sampling(Strict):
+    """Server-wide sampling defaults; a request may still override them."""
+
+    temperature: Annotated[float, Field(ge=0.0, le=5.0)] = 0.6
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 0.95
+    top_k: Annotated[int, Field(ge=0, le=1000)] = 20
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repeat_penalty: Annotated[float, Field(ge=0.0, le=5.0)] = 1.0
+    seed: int | None = None
+
+
+class Server(Strict):
+    binary: str = DEFAULT_BINARY
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=1, le=65535)] = 8080
+    api_key_file: Path | None = None
+    parallel: Annotated[int, Field(ge=1, le=256)] = 1
+    threads: Annotated[int, Field(ge=0, le=1024)] = 0
+    ctx_size: Annotated[int, Field(ge=256, le=4_194_304)] = 8192
+    batch_size: Annotated[int, Field(ge=32, le=65536)] = 2048
+    ubatch_size: Annotated[int, Field(ge=32, le=65536)] = 512
+    flash_attn: Literal["auto", "on", "off"] = "auto"
+    load_mode: Literal["auto", "none", "mmap", "mlock", "mmap+mlock", "dio"] = "mmap"
+    sampling: Sampling = Sampling()
+    extra_args: list[str] = []
+
+    @field_validator("host")
+    @classmethod
+    def _host_is_an_address(cls, value: str) -> str:
+        if value in ("localhost",):
+            return value
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(
+                f"{value!r} is not an IP address; use 127.0.0.1, ::1, 0.0.0.0 or one of this machine's addresses"
+            ) from None
+        return value
+
+    @property
+    def host_is_loopback(self) -> bool:
+        return self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
+
+
+class Model(Strict):
+    path: Path
+    gpu_layers: GpuLayers = "all"
+    devices: list[str] = []
+    cache_type_k: CacheType = "f16"
+    cache_type_v: CacheType = "f16"
+
+    @field_validator("devices")
+    @classmethod
+    def _device_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not DEVICE_NAME.match(name):
+                raise ValueError(f"{name!r} is not a llama.cpp device name; use names like CUDA0, CUDA1 or none")
+        return value
+
+    @property
+    def on_gpu(self) -> bool:
+        return bool(self.devices) and self.devices != ["none"] and self.gpu_layers != 0
+
+
+class Models(Strict):
+    target: Model
+    draft: Model | None = None
+
+
+class Speculative(Strict):
+    type: Literal["draft-simple", "draft-eagle3", "draft-mtp", "ngram-simple", "ngram-mod", "none"] = "draft-simple"
+    n_max: Annotated[int, Field(ge=1, le=64)] = 6
+    n_min: Annotated[int, Field(ge=0, le=64)] = 0
+    p_min: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+
+
+class Memory(Strict):
+    gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] = 0.95
+    compute_headroom_mib: Annotated[int, Field(ge=0, le=1_048_576)] = 1024
+    # Totals for machines where NVML cannot tell (and for tests): {"CUDA0" = 24576}.
+    device_total_mib: dict[str, Annotated[int, Field(gt=0, le=16_777_216)]] = {}
+
+
+class Network(Strict):
+    allow: list[str] = ["127.0.0.0/8", "::1/128"]
+    egress: Literal["deny", "allow"] = "deny"
+
+    @field_validator("allow")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=True)
+            except ValueError as exc:
+                raise ValueError(f"{cidr!r} is not a network in CIDR form ({exc}); write e.g. 192.168.1.0/24") from None
+        return value
+
+
+class Health(Strict):
+    interval_seconds: Annotated[int, Field(ge=1, le=3600)] = 30
+    probe_timeout_seconds: Annotated[float, Field(gt=0, le=600)] = 5.0
+    watchdog_seconds: Annotated[int, Field(ge=0, le=3600)] = 120
+    decay_ratio: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.8
+    consecutive: Annotated[int, Field(ge=1, le=100)] = 3
+    baseline_windows: Annotated[int, Field(ge=1, le=100)] = 5
+    creep_ratio: Annotated[float, Field(gt=0.0, le=10.0)] = 0.15
+    min_free_mib: Annotated[int, Field(ge=0)] = 512
+    acceptance_min: Annotated[float, Field(ge=0.0, le=1.0)] = 0.4
+    canary_after_idle_seconds: Annotated[int, Field(ge=0)] = 900
+    baseline_file: Path = Path("/var/lib/llm-appliance/baseline.json")
+
+
+class Restart(Strict):
+    cooldown_seconds: Annotated[int, Field(ge=0, le=86400)] = 600
+    max_per_hour: Annotated[int, Field(ge=0, le=60)] = 3
+    idle_timeout_seconds: Annotated[int, Field(ge=0, le=86400)] = 300
+    schedule: str = "*-*-* 04:00:00"
+    randomized_delay_seconds: Annotated[int, Field(ge=0, le=86400)] = 0
+
+    @field_validator("schedule")
+    @classmethod
+    def _one_line(cls, value: str) -> str:
+        if not value.strip() or "\n" in value:
+            raise ValueError("must be one systemd OnCalendar expression, e.g. '*-*-* 04:00:00' or 'daily'")
+        return value
+
+
+class Versions(Strict):
+    driver: str = ""
+    cuda: str = ""
+    llama_cpp: str = ""
+    on_mismatch: Literal["refuse", "warn"] = "warn"
+
+
+class Prometheus(Strict):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=1, le=65535)] = 9478
+    labels: dict[str, str] = {}
+    scrape_interval_seconds: Annotated[int, Field(ge=1, le=3600)] = 15
+
+    @field_validator("labels")
+    @classmethod
+    def _label_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name) or name.startswith("__"):
+                raise ValueError(f"{name!r} is not a Prometheus label name; use letters, digits and _")
+        return value
+
+
+class Spec(Strict):
+    server: Server = Server()
+    models: Models
+    speculative: Speculative = Speculative()
+    memory: Memory = Memory()
+    network: Network = Network()
+    health: Health = Health()
+    restart: Restart = Restart()
+    versions: Versions = Versions()
+    prometheus: Prometheus = Prometheus()

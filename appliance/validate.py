@@ -1,0 +1,103 @@
+"""Validation end to end: load the spec, read the model files, check vocabularies, plan.
+
+This is the one place that reads model files and probes the machine; `plan.py` stays pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.checks import spec_problems
+from appliance.gguf import GGUFError, ModelInfo, read_model
+from appliance.load import LoadedSpec, load_spec
+from appliance.machine import MachineFacts, gather
+from appliance.plan import Plan, plan
+from appliance.problems import Problem, Severity, SpecInvalid, error, warning
+from appliance.vocab import Vocab, VocabUnavailable, incompatibilities, read_vocab
+
+VocabReader = Callable[[Path, Path | None], Vocab]
+
+
+@dataclass(frozen=True)
+class Validated:
+    loaded: LoadedSpec
+    facts: MachineFacts
+    plan: Plan
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.plan.problems if p.severity is Severity.WARNING]
+
+
+def validate(path: Path, facts: MachineFacts | None = None, vocab_reader: VocabReader = read_vocab) -> Validated:
+    """Everything `validate` checks; raises SpecInvalid (errors and warnings, located) on any error."""
+    loaded = load_spec(path)
+    spec = loaded.spec
+    found = spec_problems(loaded)
+    facts = facts or gather(spec)
+    if facts.dialect_note:
+        found.append(
+            warning("server.binary", facts.dialect_note, "run `llm-appliance engine install`, or set server.binary")
+        )
+    infos: dict[str, ModelInfo] = {}
+    for role, model in (("target", spec.models.target), ("draft", spec.models.draft)):
+        if model is None:
+            continue
+        if not model.path.is_absolute():
+            found.append(
+                error(
+                    f"models.{role}.path",
+                    f"{model.path} is relative; the rendered units need the model's absolute path",
+                    f"write it in full, e.g. /var/lib/llm-appliance/models/{model.path.name}",
+                )
+            )
+            continue
+        try:
+            infos[role] = read_model(model.path)
+        except GGUFError as exc:
+            found.append(
+                error(
+                    f"models.{role}.path",
+                    f"{model.path}: {exc}",
+                    "point it at a whole .gguf file; re-download or re-copy it if it was cut short",
+                )
+            )
+    target, draft = infos.get("target"), infos.get("draft")
+    if target is not None and draft is not None and spec.speculative.type.startswith("draft-"):
+        found += _vocab_problems(
+            spec.models.target.path, spec.models.draft.path if spec.models.draft else Path(), facts, vocab_reader
+        )
+    result = None
+    if target is not None and (spec.models.draft is None or draft is not None):
+        result = plan(spec, facts, target, draft)
+        found += result.problems
+    located = [loaded.locate(p) for p in found]
+    if result is None or any(p.severity is Severity.ERROR for p in located):
+        raise SpecInvalid(located)
+    return Validated(
+        loaded, facts, Plan(result.spec, result.argv, result.budgets, tuple(located), result.target, result.draft)
+    )
+
+
+def _vocab_problems(target: Path, draft: Path, facts: MachineFacts, reader: VocabReader) -> list[Problem]:
+    try:
+        reasons = incompatibilities(reader(target, facts.binary), reader(draft, facts.binary))
+    except VocabUnavailable as exc:
+        return [
+            error(
+                "models.draft.path",
+                f"cannot compare the draft's vocabulary with the target's: {exc}",
+                "run `llm-appliance engine install` (it provides llama.cpp's library), or set LLAMA_CPP_LIB_PATH",
+            )
+        ]
+    if not reasons:
+        return []
+    return [
+        error(
+            "models.draft.path",
+            f"the draft's vocabulary is incompatible with the target's ({'; '.join(reasons)}): llama-server would free the draft and serve without speculation",
+            "use a draft from the target's model family (same tokenizer), e.g. the family's 0.5-1B model",
+        )
+    ]
