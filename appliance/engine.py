@@ -165,10 +165,8 @@ def build(cache: Path, kind: str, jobs: int | None = None) -> Path:
     """Configure and build llama-server; returns the build's bin/ directory. Incremental when cached."""
     source = fetch_source(cache)
     build_dir = cache / "engine" / "build" / f"{PINNED.package}-{PINNED.version}-{kind}"
-    if (
-        (not (build_dir / "build.ninja").exists()
-        and not (build_dir / "Makefile").exists())
-        or _options_changed(build_dir, kind)
+    if (not (build_dir / "build.ninja").exists() and not (build_dir / "Makefile").exists()) or _options_changed(
+        build_dir, kind
     ):
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         log(f"configuring ({kind}) in {build_dir}")

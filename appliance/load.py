@@ -162,7 +162,9 @@ _ABSENT = object()
 def _lookup(document: Any, loc: tuple[Any, ...]) -> Any:
     node = document
     for part in loc:
-        if (isinstance(node, dict) and part in node) or (isinstance(node, list) and isinstance(part, int) and part < len(node)):
+        if (isinstance(node, dict) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and part < len(node)
+        ):
             node = node[part]
         else:
             return _ABSENT if node is document else node

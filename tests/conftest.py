@@ -1,0 +1,103 @@
+"""Shared fixtures: the real engine and models, GGUF fixtures shaped like the examples, machine facts."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gguf_fixtures import DRAFT_06B, TARGET_27B, write_model
+
+from appliance.dialect import builtin_dialect
+from appliance.gpu import GpuMemory
+from appliance.machine import MachineFacts
+from appliance.models import GEMMA3, SMOLLM2
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "etc" / "llm-appliance"
+ENGINE_BINARY = Path(os.environ.get("LLAMA_SERVER", "/opt/llm-appliance/engine/bin/llama-server"))
+MODELS_DIR = Path(os.environ.get("LLM_APPLIANCE_MODELS", "/var/lib/llm-appliance/models"))
+INSTALLED_MODELS = "/var/lib/llm-appliance/models"
+GIB = 1 << 30
+
+
+def _require(path: Path, how: str) -> Path:
+    if not path.exists():
+        pytest.fail(f"{path} is missing: {how} (.ci/run does this)")
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _llama_library() -> None:
+    # llama-cpp-python is installed without its own build; it uses the engine's libllama (one llama.cpp).
+    if "LLAMA_CPP_LIB_PATH" not in os.environ and (ENGINE_BINARY.parent / "libllama.so").exists():
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(ENGINE_BINARY.resolve().parent)
+
+
+@pytest.fixture(scope="session")
+def engine_binary() -> Path:
+    return _require(ENGINE_BINARY, "run `llm-appliance engine install`")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    return _require(MODELS_DIR / SMOLLM2, f"run `llm-appliance models fetch --dest {MODELS_DIR}`")
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Path:
+    return _require(MODELS_DIR / GEMMA3, f"run `llm-appliance models fetch --dest {MODELS_DIR}`")
+
+
+@pytest.fixture(scope="session")
+def fixture_models(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
+    """A directory holding the demo's real model and the 27B/0.6B-shaped fixtures, as the examples name them."""
+    directory = tmp_path_factory.mktemp("models")
+    write_model(directory / "target-27b-Q4_K_M.gguf", TARGET_27B, smollm2)
+    write_model(directory / "draft-0.6b-Q4_K_M.gguf", DRAFT_06B, smollm2)
+    (directory / SMOLLM2).symlink_to(smollm2)
+    return directory
+
+
+def gpu_facts(*totals_gib: float) -> MachineFacts:
+    """A machine with GPUs of these sizes, the built-in flag dialect, and no engine binary found."""
+    gpus = tuple(
+        GpuMemory(i, "NVIDIA GeForce RTX 4090", int(t * GIB), 0, int(t * GIB)) for i, t in enumerate(totals_gib)
+    )
+    return MachineFacts(
+        gpus,
+        "550.54.14" if gpus else None,
+        "12.4" if gpus else None,
+        None if gpus else "NVML: NVML Shared Library Not Found",
+        None,
+        builtin_dialect(),
+        None,
+    )
+
+
+@pytest.fixture
+def example(tmp_path: Path, fixture_models: Path) -> Callable[[str], Path]:
+    """Copy an example spec next to the fixtures, its model paths pointing at them; same file name."""
+
+    def copy(name: str, replace: dict[str, str] | None = None) -> Path:
+        text = (EXAMPLES / name).read_text().replace(INSTALLED_MODELS, str(fixture_models))
+        for old, new in (replace or {}).items():
+            assert old in text, f"{old!r} not in {name}"
+            text = text.replace(old, new)
+        spec = tmp_path / name
+        spec.write_text(text)
+        return spec
+
+    return copy
+
+
+EXAMPLE_FACTS = {
+    "appliance.toml": gpu_facts(24),
+    "dual-gpu.toml": gpu_facts(24, 24),
+    "demo.toml": gpu_facts(),
+}

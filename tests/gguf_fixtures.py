@@ -1,0 +1,133 @@
+"""GGUF files shaped like the example setups' models, for planning tests.
+
+A 27B model cannot be shipped, but planning reads only the header: these files carry a real GGUF header
+(architecture, shapes, tensor table) and a sparse, zero-filled data section of the real size. Their
+vocabulary is copied byte for byte from SmolLM2, so llama.cpp's own loader reads it and the target and
+draft fixtures form a compatible pair.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.gguf import GGML_BLOCKS, _Reader
+
+Q4_K, Q6_K, F32 = 12, 14, 0
+FILE_TYPE_Q4_K_M = 15
+ALIGNMENT = 32
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    layers: int
+    embedding: int
+    feed_forward: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    context: int
+    file_type: int = FILE_TYPE_Q4_K_M
+
+
+TARGET_27B = Shape(
+    "target-27b", layers=64, embedding=5120, feed_forward=22016, heads=40, kv_heads=4, head_dim=128, context=40960
+)
+DRAFT_06B = Shape(
+    "draft-0.6b", layers=28, embedding=1024, feed_forward=3072, heads=16, kv_heads=8, head_dim=128, context=40960
+)
+
+
+def _string(text: str) -> bytes:
+    data = text.encode()
+    return struct.pack("<Q", len(data)) + data
+
+
+def _kv_u32(key: str, value: int) -> bytes:
+    return _string(key) + struct.pack("<II", 4, value)
+
+
+def _kv_f32(key: str, value: float) -> bytes:
+    return _string(key) + struct.pack("<If", 6, value)
+
+
+def _kv_str(key: str, value: str) -> bytes:
+    return _string(key) + struct.pack("<I", 8) + _string(value)
+
+
+def tokenizer_entries(vocab_source: Path) -> list[bytes]:
+    """The raw `tokenizer.*` key/value entries of a real GGUF file."""
+    data = memoryview(vocab_source.read_bytes())
+    reader = _Reader(data)
+    reader.pos = 8
+    _, n_kv = reader.scalar("Q"), reader.scalar("Q")
+    entries = []
+    for _ in range(n_kv):
+        start = reader.pos
+        key = reader.string()
+        kind = reader.scalar("I")
+        if kind == 9:
+            item_kind, count = reader.scalar("I"), reader.scalar("Q")
+            reader.array(item_kind, count, keep=False)
+        else:
+            reader.value(kind)
+        if key.startswith("tokenizer.") and key != "tokenizer.chat_template":
+            entries.append(bytes(data[start : reader.pos]))
+    return entries
+
+
+def write_model(path: Path, shape: Shape, vocab_source: Path, n_vocab: int = 49152) -> Path:
+    arch = "qwen3"
+    kvs = [
+        _kv_str("general.architecture", arch),
+        _kv_str("general.name", shape.name),
+        _kv_u32("general.file_type", shape.file_type),
+        _kv_u32("general.quantization_version", 2),
+        _kv_u32(f"{arch}.block_count", shape.layers),
+        _kv_u32(f"{arch}.context_length", shape.context),
+        _kv_u32(f"{arch}.embedding_length", shape.embedding),
+        _kv_u32(f"{arch}.feed_forward_length", shape.feed_forward),
+        _kv_u32(f"{arch}.attention.head_count", shape.heads),
+        _kv_u32(f"{arch}.attention.head_count_kv", shape.kv_heads),
+        _kv_u32(f"{arch}.attention.key_length", shape.head_dim),
+        _kv_u32(f"{arch}.attention.value_length", shape.head_dim),
+        _kv_f32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        _kv_f32(f"{arch}.rope.freq_base", 1_000_000.0),
+        *tokenizer_entries(vocab_source),
+    ]
+    e, q, kv = shape.embedding, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    tensors: list[tuple[str, list[int], int]] = [("token_embd.weight", [e, n_vocab], Q4_K)]
+    for layer in range(shape.layers):
+        tensors += [
+            (f"blk.{layer}.attn_norm.weight", [e], F32),
+            (f"blk.{layer}.attn_q.weight", [e, q], Q4_K),
+            (f"blk.{layer}.attn_k.weight", [e, kv], Q4_K),
+            (f"blk.{layer}.attn_v.weight", [e, kv], Q6_K),
+            (f"blk.{layer}.attn_output.weight", [q, e], Q4_K),
+            (f"blk.{layer}.ffn_norm.weight", [e], F32),
+            (f"blk.{layer}.ffn_gate.weight", [e, shape.feed_forward], Q4_K),
+            (f"blk.{layer}.ffn_up.weight", [e, shape.feed_forward], Q4_K),
+            (f"blk.{layer}.ffn_down.weight", [shape.feed_forward, e], Q6_K),
+        ]
+    tensors += [("output_norm.weight", [e], F32), ("output.weight", [e, n_vocab], Q6_K)]
+    infos, offset = [], 0
+    for name, dims, ggml_type in tensors:
+        infos.append(
+            _string(name)
+            + struct.pack("<I", len(dims))
+            + b"".join(struct.pack("<Q", d) for d in dims)
+            + struct.pack("<IQ", ggml_type, offset)
+        )
+        per_block, block_bytes = GGML_BLOCKS[ggml_type]
+        elements = 1
+        for d in dims:
+            elements *= d
+        offset += -(-(elements // per_block * block_bytes) // ALIGNMENT) * ALIGNMENT
+    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kvs)) + b"".join(kvs) + b"".join(infos)
+    header += b"\0" * (-len(header) % ALIGNMENT)
+    with path.open("wb") as out:
+        out.write(header)
+        out.truncate(len(header) + offset)  # sparse: the weights take no disk space
+    return path
