@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -15,9 +16,10 @@ from pathlib import Path
 from appliance import __version__, engine, models, paths
 from appliance.apply import ApplyError, changes, installed_spec_path, reload_system, write
 from appliance.dialect import builtin_dialect, read_binary_dialect
+from appliance.launch import Launcher, LaunchPlan
 from appliance.plan import lines
 from appliance.problems import SpecInvalid, report
-from appliance.render import render
+from appliance.render import launch_document, render
 from appliance.spec import Spec
 from appliance.validate import Validated, validate
 
@@ -147,6 +149,21 @@ def cmd_engine_info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    if (args.spec is None) == (args.plan is None):
+        print("launch: give a SPEC or --plan FILE (the rendered launch.json)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.plan is not None:
+        try:
+            plan = LaunchPlan.from_file(args.plan)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"launch: cannot read {args.plan}: {exc}; re-run `llm-appliance apply`", file=sys.stderr)
+            return EXIT_INVALID
+    else:
+        plan = LaunchPlan.from_document(launch_document(_validated(args.spec).plan))
+    return Launcher(plan, stop_timeout=args.stop_timeout).run()
+
+
 def cmd_models_fetch(args: argparse.Namespace) -> int:
     for name, path in models.fetch(args.dest).items():
         print(f"{name}: {path}")
@@ -191,6 +208,10 @@ def parser() -> argparse.ArgumentParser:
     p = engine_parser.add_parser("info", help="print the engine manifest and the flag dialect of its binary")
     p.set_defaults(handler=cmd_engine_info)
     p.add_argument("--dest", type=Path, default=paths.ENGINE_DIR)
+    p = command("launch", cmd_launch, "run llama-server for systemd: READY once loaded, WATCHDOG while healthy")
+    p.add_argument("spec", type=Path, nargs="?")
+    p.add_argument("--plan", type=Path, help="the rendered launch.json (what the server unit uses)")
+    p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
     models_parser = sub.add_parser("models", help="small real models for the demo and tests").add_subparsers(
         dest="models_command", required=True, metavar="ACTION"
     )
@@ -202,6 +223,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)

@@ -1,0 +1,220 @@
+"""The server unit's ExecStart: run llama-server as a child and speak systemd's notify protocol for it.
+
+llama-server answers HTTP before its model is loaded (/health says 503 until then), so systemd cannot
+tell "started" from "ready". The launcher sends READY=1 only once /health answers 200, WATCHDOG=1 only
+while it keeps answering (a wedged server stops the pings and systemd's watchdog restarts it), stops the
+child gracefully on SIGTERM, and checks that the draft model is really drafting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from appliance.notify import Notifier, watchdog_interval
+from appliance.server_api import ServerApi, ServerUnreachable, read_api_key
+
+log = logging.getLogger("llm-appliance.launch")
+
+EXIT_STOPPED = 0
+EXIT_LOAD_FAILED = 1
+EXIT_DIED = 1
+PR_SET_PDEATHSIG = 1
+ERROR_WORDS = ("error", "failed", "unable", "invalid", "cannot", "not found")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    argv: tuple[str, ...]
+    health_url: str
+    api_key_file: Path | None
+    draft_configured: bool
+    watchdog_seconds: int
+
+    @property
+    def base_url(self) -> str:
+        return self.health_url.removesuffix("/health")
+
+    @classmethod
+    def from_document(cls, document: dict[str, Any]) -> LaunchPlan:
+        key = document.get("api_key_file")
+        return cls(
+            argv=tuple(document["argv"]),
+            health_url=document["health_url"],
+            api_key_file=Path(key) if key else None,
+            draft_configured=bool(document["draft_configured"]),
+            watchdog_seconds=int(document.get("watchdog_seconds", 0)),
+        )
+
+    @classmethod
+    def from_file(cls, path: Path) -> LaunchPlan:
+        return cls.from_document(json.loads(path.read_text()))
+
+
+def _die_with_parent() -> None:
+    # If the launcher is SIGKILLed (watchdog, OOM), the kernel takes llama-server down too: no orphan.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Launcher:
+    def __init__(self, plan: LaunchPlan, notifier: Notifier | None = None, stop_timeout: float = 30.0) -> None:
+        self.plan = plan
+        self.notifier = notifier or Notifier()
+        self.stop_timeout = stop_timeout
+        self.api = ServerApi(plan.base_url, read_api_key(plan.api_key_file), timeout=5.0)
+        self.tail: deque[str] = deque(maxlen=200)
+        self.stop_requested = threading.Event()
+        self.child: subprocess.Popen[str] | None = None
+        self.speculation_verdict: bool | None = None
+
+    def request_stop(self, signum: int, _frame: FrameType | None = None) -> None:
+        log.info("received %s: stopping llama-server", signal.Signals(signum).name)
+        self.stop_requested.set()
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        started = time.monotonic()
+        self.child = subprocess.Popen(
+            self.plan.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            text=True, errors="replace", bufsize=1, preexec_fn=_die_with_parent,
+        )
+        threading.Thread(target=self._relay_output, daemon=True).start()
+        log.info("started llama-server (pid %d): %s", self.child.pid, " ".join(self.plan.argv))
+        self.notifier.status(f"loading model (llama-server pid {self.child.pid})")
+        outcome = self._wait_until_ready()
+        if outcome is not None:
+            return outcome
+        log.info("llama-server is ready after %.1f s at %s", time.monotonic() - started, self.plan.base_url)
+        self.notifier.ready(self._ready_status())
+        self._check_slots()
+        return self._serve()
+
+    def _relay_output(self) -> None:
+        """llama-server's output goes on to the journal; the tail is kept to explain a failure."""
+        assert self.child is not None and self.child.stdout is not None
+        for line in self.child.stdout:
+            self.tail.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    def _wait_until_ready(self) -> int | None:
+        while True:
+            if self.stop_requested.is_set():
+                return self._stop("stopped while loading")
+            code = self._child_exit()
+            if code is not None:
+                log.error("llama-server failed to load the model (exit %d): %s", code, self._failure_reason())
+                return EXIT_LOAD_FAILED
+            try:
+                if self.api.health() == 200:
+                    return None
+            except ServerUnreachable:
+                pass  # the HTTP server is not up yet
+            self.stop_requested.wait(0.25)
+
+    def _serve(self) -> int:
+        interval = watchdog_interval(self.plan.watchdog_seconds) or 5.0
+        failing_since: float | None = None
+        while not self.stop_requested.wait(min(interval, 2.0)):
+            code = self._child_exit()
+            if code is not None:
+                log.error("llama-server exited unexpectedly (%s): %s", _describe(code), self._failure_reason())
+                return 128 - code if code < 0 else (code or EXIT_DIED)
+            try:
+                healthy = self.api.health() == 200
+            except ServerUnreachable:
+                healthy = False
+            if healthy:
+                failing_since = None
+                self.notifier.watchdog()
+                self._check_speculation()
+            elif failing_since is None:
+                failing_since = time.monotonic()
+                log.warning("/health stopped answering 200; no WATCHDOG=1 until it does (systemd restarts a hung server)")
+                self.notifier.status("llama-server is not answering /health")
+        return self._stop("stopped")
+
+    def _ready_status(self) -> str:
+        draft = "draft configured" if self.plan.draft_configured else "no draft"
+        return f"ready at {self.plan.base_url} ({draft})"
+
+    def _check_slots(self) -> None:
+        """llama-server frees an unusable draft at load; /slots says whether speculation initialised."""
+        if not self.plan.draft_configured:
+            return
+        try:
+            slots = self.api.slots()
+        except ServerUnreachable as exc:
+            log.warning("cannot read /slots to confirm speculation: %s", exc)
+            return
+        if slots and not any(slot.get("speculative") for slot in slots):
+            self._not_engaged("llama-server did not initialise speculative decoding (/slots: speculative=false)")
+
+    def _check_speculation(self) -> None:
+        """After the first tokens are generated, a configured draft must have drafted some."""
+        if not self.plan.draft_configured or self.speculation_verdict is not None:
+            return
+        try:
+            metrics = self.api.metrics()
+        except ServerUnreachable as exc:
+            log.debug("cannot read /metrics yet: %s", exc)
+            return
+        if metrics.get("tokens_predicted_total", 0) <= 0:
+            return
+        drafted = metrics.get("spec_decode_num_draft_tokens_total", 0)
+        if drafted > 0:
+            self.speculation_verdict = True
+            accepted = metrics.get("spec_decode_num_accepted_tokens_total", 0)
+            log.info("speculation engaged: %d tokens drafted, %d accepted", drafted, accepted)
+            self.notifier.status(f"{self._ready_status()}; speculation engaged, acceptance {accepted / drafted:.2f}")
+        else:
+            self._not_engaged(f"{metrics['tokens_predicted_total']:.0f} tokens generated and none drafted")
+
+    def _not_engaged(self, why: str) -> None:
+        self.speculation_verdict = False
+        log.error(
+            "SPECULATION NOT ENGAGED: a draft model is configured but %s. The server runs without it, slower. "
+            "Check `llm-appliance validate` (draft vocabulary, --spec-type draft-simple) and the lines above.", why,
+        )
+        self.notifier.status(f"{self._ready_status()}; SPECULATION NOT ENGAGED")
+
+    def _child_exit(self) -> int | None:
+        assert self.child is not None
+        return self.child.poll()
+
+    def _failure_reason(self) -> str:
+        time.sleep(0.2)  # let the relay thread catch the last lines
+        lines = list(self.tail)
+        errors = [line for line in lines if any(word in line.lower() for word in ERROR_WORDS)]
+        return (errors[0] if errors else lines[-1] if lines else "no output").strip()
+
+    def _stop(self, reason: str) -> int:
+        assert self.child is not None
+        self.notifier.stopping(reason)
+        if self.child.poll() is None:
+            self.child.terminate()
+            try:
+                self.child.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("llama-server ignored SIGTERM for %.0f s; killing it", self.stop_timeout)
+                self.child.kill()
+                self.child.wait()
+        log.info("llama-server %s (%s)", reason, _describe(self.child.returncode))
+        return EXIT_STOPPED
+
+
+def _describe(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
