@@ -14,10 +14,20 @@ log = logging.getLogger("llm-appliance.notify")
 class Notifier:
     def __init__(self) -> None:
         self.socket = os.environ.get("NOTIFY_SOCKET")
-        self._notifier = sdnotify.SystemdNotifier(debug=True) if self.socket else None
+        self._notifier: sdnotify.SystemdNotifier | None = None
         self._broken = False
         if not self.socket:
             log.info("NOTIFY_SOCKET is not set: not started by systemd as Type=notify, so READY/WATCHDOG go nowhere")
+            return
+        try:
+            self._notifier = sdnotify.SystemdNotifier(debug=True)  # connects at once
+        except OSError as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        # Say so once: systemd will time the unit out, and the journal must say why.
+        self._broken = True
+        log.error("cannot notify systemd through NOTIFY_SOCKET=%s: %s", self.socket, exc)
 
     def send(self, *fields: str) -> bool:
         if self._notifier is None or self._broken:
@@ -25,9 +35,7 @@ class Notifier:
         try:
             self._notifier.notify("\n".join(fields))
         except OSError as exc:
-            # Once broken, say so once: systemd will time the unit out and the journal must say why.
-            self._broken = True
-            log.error("cannot notify systemd through NOTIFY_SOCKET=%s: %s", self.socket, exc)
+            self._fail(exc)
             return False
         return True
 

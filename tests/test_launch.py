@@ -1,0 +1,248 @@
+"""The launcher against the real llama-server and the real demo models, with a NOTIFY_SOCKET of our own."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from appliance.notify import Notifier
+from appliance.render import launch_document
+from appliance.server_api import ServerApi, ServerUnreachable
+from appliance.validate import validate
+
+pytestmark = pytest.mark.engine
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class NotifySocket:
+    """A datagram socket standing in for systemd's; records each message with /health's answer at arrival."""
+
+    path: Path
+    api: ServerApi | None = None
+    messages: list[tuple[str, int | None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(self.path))
+        self.sock.settimeout(0.2)
+        self.closed = threading.Event()
+        threading.Thread(target=self._listen, daemon=True).start()
+
+    def _listen(self) -> None:
+        while not self.closed.is_set():
+            try:
+                text = self.sock.recv(4096).decode()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            health = None
+            if "READY=1" in text and self.api is not None:
+                try:
+                    health = self.api.health()
+                except ServerUnreachable:
+                    health = -1
+            self.messages.append((text, health))
+
+    def wait_for(self, fragment: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for text, _ in self.messages:
+                if fragment in text:
+                    return text
+            time.sleep(0.05)
+        raise AssertionError(f"no notification with {fragment!r}; got {[m for m, _ in self.messages]}")
+
+    def close(self) -> None:
+        self.closed.set()
+        self.sock.close()
+
+
+@dataclass
+class Running:
+    process: subprocess.Popen[str]
+    api: ServerApi
+    notify: NotifySocket
+    output: list[str]
+
+    def child_pid(self, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.output:
+                if m := re.search(r"started llama-server \(pid (\d+)\)", line):
+                    return int(m.group(1))
+            time.sleep(0.05)
+        raise AssertionError("the launcher never said which pid it started")
+
+    def text(self) -> str:
+        return "".join(self.output)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes only once reaped by its parent; check its state.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def launch(tmp_path: Path, example: Callable[[str], Path]) -> Iterator[Callable[..., Running]]:
+    started: list[Running] = []
+
+    def start(edit: Callable[[list[str]], list[str]] = lambda argv: argv, stop_timeout: float = 10.0) -> Running:
+        port = free_port()
+        document = launch_document(validate(example("demo.toml")).plan)
+        argv = [str(port) if previous == "--port" else arg for previous, arg in zip(["", *document["argv"]], document["argv"], strict=False)]
+        document["argv"] = edit(argv)
+        document["health_url"] = f"http://127.0.0.1:{port}/health"
+        plan = tmp_path / f"launch-{port}.json"
+        plan.write_text(json.dumps(document))
+        api = ServerApi(f"http://127.0.0.1:{port}", timeout=5.0)
+        notify = NotifySocket(tmp_path / f"notify-{port}.sock", api)
+        env = {**os.environ, "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "2000000", "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "appliance.cli", "launch", "--plan", str(plan), "--stop-timeout", str(stop_timeout)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        output: list[str] = []
+        threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+        running = Running(process, api, notify, output)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        if running.process.poll() is None:
+            running.process.kill()
+            running.process.wait()
+        running.notify.close()
+
+
+def test_ready_only_once_loaded_then_drafts_and_pings_the_watchdog(launch: Callable[..., Running]) -> None:
+    running = launch()
+    loading = running.notify.wait_for("STATUS=loading model")
+    ready = running.notify.wait_for("READY=1")
+    texts = [text for text, _ in running.notify.messages]
+    assert texts.index(loading) < texts.index(ready)
+    health_at_ready = next(health for text, health in running.notify.messages if "READY=1" in text)
+    assert health_at_ready == 200, "READY=1 was sent before /health answered 200"
+    assert "STATUS=ready at http://127.0.0.1:" in ready
+
+    before = running.api.metrics()
+    answer = running.api.chat([{"role": "user", "content": "Write a Python function that adds two numbers."}], max_tokens=48, temperature=0)
+    assert answer["choices"][0]["message"]["content"]
+    assert answer["timings"]["draft_n"] > 0
+    assert answer["timings"]["draft_n_accepted"] > 0
+    after = running.api.metrics()
+    assert after["spec_decode_num_draft_tokens_total"] > before.get("spec_decode_num_draft_tokens_total", 0)
+    assert after["spec_decode_num_accepted_tokens_total"] > before.get("spec_decode_num_accepted_tokens_total", 0)
+
+    running.notify.wait_for("speculation engaged", timeout=20)
+    running.notify.wait_for("WATCHDOG=1", timeout=10)
+    assert "speculation engaged" in running.text()
+
+
+def test_missing_spec_type_is_reported_as_not_engaged(launch: Callable[..., Running]) -> None:
+    def without_spec_type(argv: list[str]) -> list[str]:
+        index = argv.index("--spec-type")
+        return argv[:index] + argv[index + 2 :]
+
+    running = launch(without_spec_type)
+    running.notify.wait_for("READY=1")
+    running.api.completion("def add(a, b):", n_predict=16, temperature=0)
+    status = running.notify.wait_for("SPECULATION NOT ENGAGED", timeout=20)
+    assert status.startswith("STATUS=")
+    assert "SPECULATION NOT ENGAGED" in running.text()
+
+
+def test_sigterm_during_a_long_generation_stops_the_child_within_the_bound(launch: Callable[..., Running]) -> None:
+    running = launch(stop_timeout=5.0)
+    running.notify.wait_for("READY=1")
+    child = running.child_pid()
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            running.api.completion("Once upon a time", n_predict=4000, temperature=0.8, ignore_eos=True, timeout=120)
+        except ServerUnreachable as exc:
+            errors.append(exc)
+
+    threading.Thread(target=generate, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not any(slot.get("is_processing") for slot in running.api.slots()):
+        assert time.monotonic() < deadline, "the generation never started"
+        time.sleep(0.1)
+    sent = time.monotonic()
+    running.process.send_signal(signal.SIGTERM)
+    assert running.process.wait(timeout=20) == 0
+    assert time.monotonic() - sent < 5.0 + 5.0
+    assert not pid_alive(child), "llama-server outlived the launcher"
+    running.notify.wait_for("STOPPING=1", timeout=1)
+
+
+def test_a_corrupt_model_fails_with_one_clear_line_and_no_orphan(launch: Callable[..., Running], tmp_path: Path, smollm2: Path) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(smollm2.read_bytes()[: smollm2.stat().st_size // 2])
+
+    def corrupt(argv: list[str]) -> list[str]:
+        return [str(truncated) if arg == str(smollm2) or arg.endswith(smollm2.name) else arg for arg in argv]
+
+    running = launch(corrupt)
+    child = running.child_pid()
+    assert running.process.wait(timeout=60) == 1
+    lines = [line for line in running.output if "failed to load the model" in line]
+    assert len(lines) == 1, running.text()[-3000:]
+    assert "exit" in lines[0]
+    assert not pid_alive(child)
+    assert not any("READY=1" in text for text, _ in running.notify.messages)
+
+
+def test_a_killed_launcher_takes_llama_server_with_it(launch: Callable[..., Running]) -> None:
+    running = launch()
+    running.notify.wait_for("READY=1")
+    child = running.child_pid()
+    running.process.kill()
+    running.process.wait()
+    deadline = time.monotonic() + 10
+    while pid_alive(child):
+        assert time.monotonic() < deadline, "llama-server survived a SIGKILLed launcher"
+        time.sleep(0.1)
+
+
+def test_a_broken_notify_socket_is_logged_not_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "nobody-listens.sock"))
+    notifier = Notifier()
+    assert notifier.ready("ready") is False
+    assert notifier.watchdog() is False
+    errors = [r for r in caplog.records if "cannot notify systemd" in r.getMessage()]
+    assert len(errors) == 1
+
+
+def test_without_notify_socket_nothing_is_sent(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    caplog.set_level("INFO")
+    assert Notifier().ready("ready") is False
+    assert any("NOTIFY_SOCKET is not set" in r.getMessage() for r in caplog.records)
