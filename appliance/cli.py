@@ -164,6 +164,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return Launcher(plan, stop_timeout=args.stop_timeout).run()
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    """What the units do, in the foreground, for machines where systemd is not PID 1."""
+    result = _validated(args.spec)
+    plan = LaunchPlan.from_document(launch_document(result.plan))
+    print(f"llm-appliance up: serving {args.spec} at {plan.base_url} in the foreground; Ctrl-C stops it", file=sys.stderr)
+    return Launcher(plan, stop_timeout=args.stop_timeout).run()
+
+
 def cmd_models_fetch(args: argparse.Namespace) -> int:
     for name, path in models.fetch(args.dest).items():
         print(f"{name}: {path}")
@@ -211,6 +219,9 @@ def parser() -> argparse.ArgumentParser:
     p = command("launch", cmd_launch, "run llama-server for systemd: READY once loaded, WATCHDOG while healthy")
     p.add_argument("spec", type=Path, nargs="?")
     p.add_argument("--plan", type=Path, help="the rendered launch.json (what the server unit uses)")
+    p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
+    p = command("up", cmd_up, "run the appliance in the foreground, as its units would (no systemd needed)")
+    p.add_argument("spec", type=Path)
     p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
     models_parser = sub.add_parser("models", help="small real models for the demo and tests").add_subparsers(
         dest="models_command", required=True, metavar="ACTION"
