@@ -166,10 +166,32 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """What the units do, in the foreground, for machines where systemd is not PID 1."""
+    from health.service import up
+
     result = _validated(args.spec)
     plan = LaunchPlan.from_document(launch_document(result.plan))
-    print(f"llm-appliance up: serving {args.spec} at {plan.base_url} in the foreground; Ctrl-C stops it", file=sys.stderr)
-    return Launcher(plan, stop_timeout=args.stop_timeout).run()
+    print(
+        f"llm-appliance up: serving {args.spec} at {plan.base_url} in the foreground; Ctrl-C stops it", file=sys.stderr
+    )
+    return up(result.plan.spec, plan, args.stop_timeout, args.state_dir)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from health.service import run_daemon
+
+    return run_daemon(args.spec)
+
+
+def cmd_check_versions(args: argparse.Namespace) -> int:
+    from health.service import check_versions
+
+    return check_versions(args.spec)
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    from health.service import restart_when_idle
+
+    return restart_when_idle(args.spec, args.reason)
 
 
 def cmd_models_fetch(args: argparse.Namespace) -> int:
@@ -223,6 +245,20 @@ def parser() -> argparse.ArgumentParser:
     p = command("up", cmd_up, "run the appliance in the foreground, as its units would (no systemd needed)")
     p.add_argument("spec", type=Path)
     p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--state-dir", type=Path, help=f"where the restart history is kept (default {paths.STATE})")
+    command("health", cmd_health, "run the health daemon (the health unit's ExecStart)").add_argument("spec", type=Path)
+    command(
+        "check-versions", cmd_check_versions, "compare driver, CUDA and llama.cpp with the spec's pins (ExecStartPre)"
+    ).add_argument("spec", type=Path)
+    p = command("restart", cmd_restart, "restart the server unit through systemd, when idle (what the timer runs)")
+    p.add_argument("spec", type=Path)
+    p.add_argument(
+        "--when-idle",
+        action="store_true",
+        required=True,
+        help="wait until no request is processing (idle_timeout at the latest)",
+    )
+    p.add_argument("--reason", default="manual", choices=["scheduled", "manual"])
     models_parser = sub.add_parser("models", help="small real models for the demo and tests").add_subparsers(
         dest="models_command", required=True, metavar="ACTION"
     )

@@ -172,14 +172,17 @@ def read_model(path: Path) -> ModelInfo:
             size = path.stat().st_size
             if size < 24:
                 raise GGUFError(f"not a GGUF file: only {size} bytes")
-            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                return _parse(path, memoryview(data), size)
+            # The view is released before the map closes, even when _parse raises (its traceback holds it).
+            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data, memoryview(data) as view:
+                return _parse(path, view, size)
     except FileNotFoundError:
         raise GGUFError("no such file") from None
     except IsADirectoryError:
         raise GGUFError("is a directory, not a GGUF file") from None
     except PermissionError:
         raise GGUFError("cannot be read: permission denied") from None
+    except OSError as exc:  # a file in its directory path, a name too long, an I/O error
+        raise GGUFError(f"cannot be read: {exc.strerror or exc}") from None
     except ValueError as exc:  # mmap of an empty file
         raise GGUFError(f"not a GGUF file: {exc}") from None
 

@@ -76,22 +76,54 @@ class Launcher:
         self.api = ServerApi(plan.base_url, read_api_key(plan.api_key_file), timeout=5.0)
         self.tail: deque[str] = deque(maxlen=200)
         self.stop_requested = threading.Event()
+        self.restart_requested = threading.Event()
+        self.stop_requested_or_restart = threading.Event()  # wakes the serving loop for either
         self.child: subprocess.Popen[str] | None = None
         self.speculation_verdict: bool | None = None
 
     def request_stop(self, signum: int, _frame: FrameType | None = None) -> None:
         log.info("received %s: stopping llama-server", signal.Signals(signum).name)
         self.stop_requested.set()
+        self.stop_requested_or_restart.set()
+
+    def request_restart(self) -> None:
+        """Restart llama-server in place (SIGHUP, or the health daemon of `llm-appliance up`)."""
+        self.restart_requested.set()
+        self.stop_requested_or_restart.set()
+
+    def _on_sighup(self, _signum: int, _frame: FrameType | None = None) -> None:
+        log.info("received SIGHUP: restarting llama-server")
+        self.request_restart()
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGHUP, self._on_sighup)
+        while True:
+            outcome = self._start()
+            if outcome is None:
+                outcome = self._serve()
+            if outcome is not None:
+                return outcome
+            self.notifier.send("RELOADING=1", "STATUS=restarting llama-server")
+
+    def _start(self) -> int | None:
+        """Start llama-server and wait for it to load; an exit code when it never became ready."""
         started = time.monotonic()
+        self.restart_requested.clear()
+        self.stop_requested_or_restart.clear()
+        self.speculation_verdict = None
         self.child = subprocess.Popen(
-            self.plan.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            text=True, errors="replace", bufsize=1, preexec_fn=_die_with_parent,
+            self.plan.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            preexec_fn=_die_with_parent,
         )
-        threading.Thread(target=self._relay_output, daemon=True).start()
+        threading.Thread(target=self._relay_output, args=(self.child,), daemon=True).start()
         log.info("started llama-server (pid %d): %s", self.child.pid, " ".join(self.plan.argv))
         self.notifier.status(f"loading model (llama-server pid {self.child.pid})")
         outcome = self._wait_until_ready()
@@ -100,12 +132,12 @@ class Launcher:
         log.info("llama-server is ready after %.1f s at %s", time.monotonic() - started, self.plan.base_url)
         self.notifier.ready(self._ready_status())
         self._check_slots()
-        return self._serve()
+        return None
 
-    def _relay_output(self) -> None:
+    def _relay_output(self, child: subprocess.Popen[str]) -> None:
         """llama-server's output goes on to the journal; the tail is kept to explain a failure."""
-        assert self.child is not None and self.child.stdout is not None
-        for line in self.child.stdout:
+        assert child.stdout is not None
+        for line in child.stdout:
             self.tail.append(line.rstrip("\n"))
             sys.stderr.write(line)
             sys.stderr.flush()
@@ -114,6 +146,9 @@ class Launcher:
         while True:
             if self.stop_requested.is_set():
                 return self._stop("stopped while loading")
+            if self.restart_requested.is_set():  # it is starting afresh already
+                self.restart_requested.clear()
+                self.stop_requested_or_restart.clear()
             code = self._child_exit()
             if code is not None:
                 log.error("llama-server failed to load the model (exit %d): %s", code, self._failure_reason())
@@ -123,12 +158,13 @@ class Launcher:
                     return None
             except ServerUnreachable:
                 pass  # the HTTP server is not up yet
-            self.stop_requested.wait(0.25)
+            self.stop_requested_or_restart.wait(0.25)
 
-    def _serve(self) -> int:
+    def _serve(self) -> int | None:
+        """Watch the ready server; an exit code when done, None when a restart was asked for."""
         interval = watchdog_interval(self.plan.watchdog_seconds) or 5.0
         failing_since: float | None = None
-        while not self.stop_requested.wait(min(interval, 2.0)):
+        while not self.stop_requested_or_restart.wait(min(interval, 2.0)):
             code = self._child_exit()
             if code is not None:
                 log.error("llama-server exited unexpectedly (%s): %s", _describe(code), self._failure_reason())
@@ -143,9 +179,15 @@ class Launcher:
                 self._check_speculation()
             elif failing_since is None:
                 failing_since = time.monotonic()
-                log.warning("/health stopped answering 200; no WATCHDOG=1 until it does (systemd restarts a hung server)")
+                log.warning(
+                    "/health stopped answering 200; no WATCHDOG=1 until it does (systemd restarts a hung server)"
+                )
                 self.notifier.status("llama-server is not answering /health")
-        return self._stop("stopped")
+        if self.stop_requested.is_set():
+            return self._stop("stopped")
+        self._terminate_child()
+        log.info("llama-server stopped for a restart (%s)", _describe(self.child.returncode if self.child else 0))
+        return None
 
     def _ready_status(self) -> str:
         draft = "draft configured" if self.plan.draft_configured else "no draft"
@@ -187,7 +229,8 @@ class Launcher:
         self.speculation_verdict = False
         log.error(
             "SPECULATION NOT ENGAGED: a draft model is configured but %s. The server runs without it, slower. "
-            "Check `llm-appliance validate` (draft vocabulary, --spec-type draft-simple) and the lines above.", why,
+            "Check `llm-appliance validate` (draft vocabulary, --spec-type draft-simple) and the lines above.",
+            why,
         )
         self.notifier.status(f"{self._ready_status()}; SPECULATION NOT ENGAGED")
 
@@ -204,6 +247,12 @@ class Launcher:
     def _stop(self, reason: str) -> int:
         assert self.child is not None
         self.notifier.stopping(reason)
+        self._terminate_child()
+        log.info("llama-server %s (%s)", reason, _describe(self.child.returncode))
+        return EXIT_STOPPED
+
+    def _terminate_child(self) -> None:
+        assert self.child is not None
         if self.child.poll() is None:
             self.child.terminate()
             try:
@@ -212,8 +261,6 @@ class Launcher:
                 log.warning("llama-server ignored SIGTERM for %.0f s; killing it", self.stop_timeout)
                 self.child.kill()
                 self.child.wait()
-        log.info("llama-server %s (%s)", reason, _describe(self.child.returncode))
-        return EXIT_STOPPED
 
 
 def _describe(code: int) -> str:

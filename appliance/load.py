@@ -38,7 +38,8 @@ class KeyLines:
         return cls(found)
 
     def line_of(self, dotted: str) -> int | None:
-        parts = dotted.split(".")
+        # "server.extra_args[0]" is written on the line of "server.extra_args".
+        parts = re.sub(r"\[\d+\]", "", dotted).split(".")
         while parts:
             if (line := self.lines.get(".".join(parts))) is not None:
                 return line
@@ -127,7 +128,7 @@ def parse_spec(text: str, path: Path) -> LoadedSpec:
 
 
 def _problem_from(err: Any, document: dict[str, Any]) -> Problem:
-    loc = [str(part) for part in err["loc"] if not _is_union_branch(part)]
+    loc = _written_loc(err["loc"], document)
     dotted = ".".join(loc)
     kind = err["type"]
     if kind == "extra_forbidden":
@@ -147,6 +148,22 @@ def _problem_from(err: Any, document: dict[str, Any]) -> Problem:
     if given is not _ABSENT:
         message += f" (got {given!r})"
     return Problem(Severity.ERROR, dotted, message, _fix_for(kind, err))
+
+
+def _written_loc(loc: tuple[Any, ...], document: dict[str, Any]) -> list[str]:
+    """The error's location as the user wrote it: a key the document has (`float = 1`) is never a union branch."""
+    kept: list[str] = []
+    node: Any = document
+    for part in loc:
+        in_table = isinstance(node, dict) and part in node
+        if in_table or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)):
+            node = node[part]
+        elif _is_union_branch(part):
+            continue
+        else:
+            node = _ABSENT
+        kept.append(str(part))
+    return kept
 
 
 def _is_union_branch(part: Any) -> bool:
@@ -171,6 +188,19 @@ def _lookup(document: Any, loc: tuple[Any, ...]) -> Any:
     return node
 
 
+# pydantic's type names, as a TOML writer would say them ("write a int", "write a model" read badly).
+_TOML_KINDS = {
+    "int": "an integer",
+    "float": "a number",
+    "string": "a string",
+    "bool": "true or false",
+    "list": "an array",
+    "dict": "a table",
+    "model": "a table",
+    "path": "a path string",
+}
+
+
 def _fix_for(kind: str, err: Any) -> str:
     ctx = err.get("ctx") or {}
     if kind.startswith(("greater_than", "less_than")):
@@ -179,7 +209,8 @@ def _fix_for(kind: str, err: Any) -> str:
     if kind == "literal_error":
         return f"use one of {ctx.get('expected', '')}"
     if kind.endswith("_type") or kind.endswith("_parsing"):
-        return f"write a {kind.split('_')[0]}"
+        kind_name = kind.split("_")[0]
+        return f"write {_TOML_KINDS.get(kind_name, f'a {kind_name}')}"
     return "see the spec reference in README.md"
 
 

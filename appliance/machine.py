@@ -36,7 +36,8 @@ def find_binary(spec: Spec) -> Path | None:
     if spec.server.binary == DEFAULT_BINARY:
         candidates += [os.environ.get("LLAMA_SERVER", ""), shutil.which("llama-server") or ""]
     for candidate in candidates:
-        if candidate and os.access(candidate, os.X_OK) and Path(candidate).is_file():
+        # "\0" in a path makes os.access raise ValueError; such a file cannot exist.
+        if candidate and "\0" not in candidate and os.access(candidate, os.X_OK) and Path(candidate).is_file():
             return Path(candidate)
     return None
 

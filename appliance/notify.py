@@ -12,12 +12,15 @@ log = logging.getLogger("llm-appliance.notify")
 
 
 class Notifier:
-    def __init__(self) -> None:
-        self.socket = os.environ.get("NOTIFY_SOCKET")
+    def __init__(self, enabled: bool = True) -> None:
+        self.socket = os.environ.get("NOTIFY_SOCKET") if enabled else None
         self._notifier: sdnotify.SystemdNotifier | None = None
         self._broken = False
         if not self.socket:
-            log.info("NOTIFY_SOCKET is not set: not started by systemd as Type=notify, so READY/WATCHDOG go nowhere")
+            if enabled:
+                log.info(
+                    "NOTIFY_SOCKET is not set: not started by systemd as Type=notify, so READY/WATCHDOG go nowhere"
+                )
             return
         try:
             self._notifier = sdnotify.SystemdNotifier(debug=True)  # connects at once

@@ -94,14 +94,16 @@ def offloaded_layers(model: Model, info: ModelInfo) -> int:
 
 
 def gpu_weight_bytes(info: ModelInfo, layers_on_gpu: int) -> int:
-    first_gpu_layer = max(0, info.block_count - layers_on_gpu)
+    """llama-model.cpp load_tensors: of N offloaded layers the first is the output layer, then the last N-1 blocks."""
+    if layers_on_gpu <= 0:
+        return 0
+    first_gpu_layer = max(0, info.block_count + 1 - layers_on_gpu)
     total = sum(t.n_bytes for t in info.tensors if t.layer is not None and t.layer >= first_gpu_layer)
-    if layers_on_gpu > info.block_count:
-        names = {t.name for t in info.tensors}
-        # The input embedding stays on the CPU; a tied output (no output.weight) is copied to the GPU.
-        total += sum(t.n_bytes for t in info.tensors if t.layer is None and t.name != "token_embd.weight")
-        if "output.weight" not in names:
-            total += sum(t.n_bytes for t in info.tensors if t.name == "token_embd.weight")
+    names = {t.name for t in info.tensors}
+    # The input embedding stays on the CPU; a tied output (no output.weight) is copied to the GPU.
+    total += sum(t.n_bytes for t in info.tensors if t.layer is None and t.name != "token_embd.weight")
+    if "output.weight" not in names:
+        total += sum(t.n_bytes for t in info.tensors if t.name == "token_embd.weight")
     return total
 
 
@@ -132,12 +134,12 @@ def _model_usage(usage: _Usage, role: str, model: Model, devices: list[str], inf
     if not devices:
         return
     layers = offloaded_layers(model, info)
-    kv_layers = min(layers, info.block_count)
+    kv_layers = max(layers - 1, 0)  # the KV cache follows its block; the output layer has none
     per_token = kv_bytes_per_token(info, model.cache_type_k, model.cache_type_v, kv_layers)
     cells = kv_cells(spec.server.ctx_size)
     usage.add(
         devices,
-        f"{role} weights ({info.file_type}, {min(layers, info.block_count)}/{info.block_count} layers)",
+        f"{role} weights ({info.file_type}, {kv_layers}/{info.block_count} layers)",
         gpu_weight_bytes(info, layers),
     )
     usage.add(
@@ -321,8 +323,13 @@ def build_argv(spec: Spec, dialect: Dialect, binary: str, draft_in_use: bool) ->
         if draft.devices:
             flag("draft_device", "models.draft.devices", ",".join(draft.devices))
         flag("draft_gpu_layers", "models.draft.gpu_layers", str(draft.gpu_layers))
-        flag("draft_cache_type_k", "models.draft.cache_type_k", draft.cache_type_k)
-        flag("draft_cache_type_v", "models.draft.cache_type_v", draft.cache_type_v)
+        # Binaries older than -ctkd/-ctvd (llama.cpp PR 13782, mid 2025) always gave the draft an f16 cache.
+        flag(
+            "draft_cache_type_k", "models.draft.cache_type_k", draft.cache_type_k, required=draft.cache_type_k != "f16"
+        )
+        flag(
+            "draft_cache_type_v", "models.draft.cache_type_v", draft.cache_type_v, required=draft.cache_type_v != "f16"
+        )
     elif draft is None and speculative.type.startswith("ngram"):
         flag("spec_type", "speculative.type", speculative.type)
     problems = argv.problems + _extra_arg_problems(server.extra_args, argv.args, dialect)

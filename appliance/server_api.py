@@ -32,7 +32,9 @@ class ServerApi:
     api_key: str | None = None
     timeout: float = 5.0
 
-    def _request(self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> tuple[int, bytes]:
+    def _request(
+        self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> tuple[int, bytes]:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -54,7 +56,9 @@ class ServerApi:
         """llama-server's /metrics, each family summed over its labels (name without `llamacpp:`)."""
         status, body = self._request("/metrics")
         if status != 200:
-            raise ServerUnreachable(f"{self.base_url}/metrics answered {status} (is --metrics set, is the API key right?)")
+            raise ServerUnreachable(
+                f"{self.base_url}/metrics answered {status} (is --metrics set, is the API key right?)"
+            )
         try:
             families = list(text_string_to_metric_families(body.decode()))
         except (ValueError, UnicodeDecodeError) as exc:
@@ -78,7 +82,9 @@ class ServerApi:
             raise ServerUnreachable(f"{self.base_url}/completion answered {status}: {body[:200]!r}")
         return self._json(body, "/completion")  # type: ignore[no-any-return]
 
-    def chat(self, messages: list[dict[str, str]], max_tokens: int, timeout: float = 600.0, **params: Any) -> dict[str, Any]:
+    def chat(
+        self, messages: list[dict[str, str]], max_tokens: int, timeout: float = 600.0, **params: Any
+    ) -> dict[str, Any]:
         body = {"messages": messages, "max_tokens": max_tokens, **params}
         status, answer = self._request("/v1/chat/completions", body, timeout)
         if status != 200:

@@ -17,10 +17,13 @@ CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_
 GpuLayers = Annotated[int, Field(ge=0, le=1000)] | Literal["auto", "all"]
 DEVICE_NAME = re.compile(r"^(none|[A-Za-z]+[0-9]+)$")
 DEFAULT_BINARY = "/opt/llm-appliance/engine/bin/llama-server"
+# TOML strings become paths; every other value must already have its TOML type (strict below).
+FilePath = Annotated[Path, Field(strict=False)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: no coercion, so `port = "8080"` or `parallel = true` is a type error, not silently 8080 or 1.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Sampling(Strict):
@@ -38,7 +41,7 @@ class Server(Strict):
     binary: str = DEFAULT_BINARY
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=1, le=65535)] = 8080
-    api_key_file: Path | None = None
+    api_key_file: FilePath | None = None
     parallel: Annotated[int, Field(ge=1, le=256)] = 1
     threads: Annotated[int, Field(ge=0, le=1024)] = 0
     ctx_size: Annotated[int, Field(ge=256, le=4_194_304)] = 8192
@@ -68,7 +71,7 @@ class Server(Strict):
 
 
 class Model(Strict):
-    path: Path
+    path: FilePath
     gpu_layers: GpuLayers = "all"
     devices: list[str] = []
     cache_type_k: CacheType = "f16"
@@ -132,7 +135,7 @@ class Health(Strict):
     min_free_mib: Annotated[int, Field(ge=0)] = 512
     acceptance_min: Annotated[float, Field(ge=0.0, le=1.0)] = 0.4
     canary_after_idle_seconds: Annotated[int, Field(ge=0)] = 900
-    baseline_file: Path = Path("/var/lib/llm-appliance/baseline.json")
+    baseline_file: FilePath = Path("/var/lib/llm-appliance/baseline.json")
 
 
 class Restart(Strict):

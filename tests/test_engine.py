@@ -15,7 +15,9 @@ from appliance.cli import main
 pytestmark = pytest.mark.engine
 
 
-def test_a_second_install_reuses_the_cached_build(engine_binary: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_second_install_reuses_the_cached_build(
+    engine_binary: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     if engine.Manifest.read(engine_binary.parent.parent) is None:
         pytest.fail("the engine under test was not installed by `llm-appliance engine install`")
     dest = tmp_path / "engine"
@@ -53,7 +55,9 @@ def test_build_options_key_the_cache() -> None:
     assert "-DLLAMA_USE_PREBUILT_UI=OFF" in engine.build_options("cpu")
 
 
-def test_engine_info_prints_the_manifest_and_dialect(engine_binary: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_engine_info_prints_the_manifest_and_dialect(
+    engine_binary: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     dest = tmp_path / "engine"
     shutil.copytree(engine_binary.parent.parent, dest, symlinks=True)
     manifest = json.loads((dest / "manifest.json").read_text())

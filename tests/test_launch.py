@@ -115,7 +115,10 @@ def launch(tmp_path: Path, example: Callable[[str], Path]) -> Iterator[Callable[
     def start(edit: Callable[[list[str]], list[str]] = lambda argv: argv, stop_timeout: float = 10.0) -> Running:
         port = free_port()
         document = launch_document(validate(example("demo.toml")).plan)
-        argv = [str(port) if previous == "--port" else arg for previous, arg in zip(["", *document["argv"]], document["argv"], strict=False)]
+        argv = [
+            str(port) if previous == "--port" else arg
+            for previous, arg in zip(["", *document["argv"]], document["argv"], strict=False)
+        ]
         document["argv"] = edit(argv)
         document["health_url"] = f"http://127.0.0.1:{port}/health"
         plan = tmp_path / f"launch-{port}.json"
@@ -125,7 +128,10 @@ def launch(tmp_path: Path, example: Callable[[str], Path]) -> Iterator[Callable[
         env = {**os.environ, "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "2000000", "PYTHONUNBUFFERED": "1"}
         process = subprocess.Popen(
             [sys.executable, "-m", "appliance.cli", "launch", "--plan", str(plan), "--stop-timeout", str(stop_timeout)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         output: list[str] = []
         threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
@@ -152,7 +158,9 @@ def test_ready_only_once_loaded_then_drafts_and_pings_the_watchdog(launch: Calla
     assert "STATUS=ready at http://127.0.0.1:" in ready
 
     before = running.api.metrics()
-    answer = running.api.chat([{"role": "user", "content": "Write a Python function that adds two numbers."}], max_tokens=48, temperature=0)
+    answer = running.api.chat(
+        [{"role": "user", "content": "Write a Python function that adds two numbers."}], max_tokens=48, temperature=0
+    )
     assert answer["choices"][0]["message"]["content"]
     assert answer["timings"]["draft_n"] > 0
     assert answer["timings"]["draft_n_accepted"] > 0
@@ -203,7 +211,9 @@ def test_sigterm_during_a_long_generation_stops_the_child_within_the_bound(launc
     running.notify.wait_for("STOPPING=1", timeout=1)
 
 
-def test_a_corrupt_model_fails_with_one_clear_line_and_no_orphan(launch: Callable[..., Running], tmp_path: Path, smollm2: Path) -> None:
+def test_a_corrupt_model_fails_with_one_clear_line_and_no_orphan(
+    launch: Callable[..., Running], tmp_path: Path, smollm2: Path
+) -> None:
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(smollm2.read_bytes()[: smollm2.stat().st_size // 2])
 
@@ -232,7 +242,9 @@ def test_a_killed_launcher_takes_llama_server_with_it(launch: Callable[..., Runn
         time.sleep(0.1)
 
 
-def test_a_broken_notify_socket_is_logged_not_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_broken_notify_socket_is_logged_not_fatal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "nobody-listens.sock"))
     notifier = Notifier()
     assert notifier.ready("ready") is False
@@ -241,7 +253,9 @@ def test_a_broken_notify_socket_is_logged_not_fatal(tmp_path: Path, monkeypatch:
     assert len(errors) == 1
 
 
-def test_without_notify_socket_nothing_is_sent(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_without_notify_socket_nothing_is_sent(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     caplog.set_level("INFO")
     assert Notifier().ready("ready") is False

@@ -1,0 +1,401 @@
+"""The health daemon: every interval, probe the server, the GPU and the versions; feed the detectors;
+restart the server when it must (idle-aware, rate-limited); export everything to Prometheus.
+
+It never restarts the server because its own probe failed: a probe error is counted and reported, and
+only a server that is seen to be slow, swollen, hung or off the GPU is restarted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from appliance import paths
+from appliance.gpu import Nvml, NvmlUnavailable
+from appliance.notify import Notifier
+from appliance.plan import draft_devices, gpu_devices
+from appliance.render import Endpoint
+from appliance.server_api import ServerApi, ServerUnreachable, read_api_key
+from appliance.spec import Spec
+from health import versions
+from health.detectors import (
+    CANARY_BUCKET,
+    CounterSample,
+    CreepDetector,
+    DecayDetector,
+    RestartPolicy,
+    context_bucket,
+    speculation,
+    window,
+)
+from health.exporter import Metrics
+from health.state import RestartLog
+from health.units import ServerControl, UnitError, descendants
+
+log = logging.getLogger("llm-appliance.health")
+CANARY_PROMPT = "def fibonacci(n):\n    "
+CANARY_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    spec: Spec
+    server_url: str
+    api_key_file: Path | None
+    draft_configured: bool
+    gpu_spec: bool
+    engine_dir: Path = paths.ENGINE_DIR
+    state_file: Path = paths.STATE / "health-state.json"
+
+    @classmethod
+    def from_spec(cls, spec: Spec, **overrides: Any) -> DaemonConfig:
+        target = spec.models.target
+        gpu = bool([d for d in target.devices if d != "none"]) and target.gpu_layers != 0
+        draft = spec.models.draft is not None and spec.speculative.type.startswith("draft-")
+        return cls(
+            spec, Endpoint(spec.server.host, spec.server.port).url, spec.server.api_key_file, draft, gpu, **overrides
+        )
+
+
+@dataclass
+class Observation:
+    """What one check saw, for the STATUS line and the tests."""
+
+    up: bool = False
+    busy: bool = False
+    decode_tps: float | None = None
+    baseline_tps: float | None = None
+    acceptance: float | None = None
+    creep: float | None = None
+    reason: str | None = None
+    action: str = "none"
+    notes: list[str] = field(default_factory=list)
+
+    def status(self) -> str:
+        if not self.up:
+            parts = ["server not answering /health"]
+        elif self.decode_tps is None:
+            parts = ["server up, no decode measured yet"]
+        else:
+            baseline = f" (baseline {self.baseline_tps:.0f})" if self.baseline_tps else " (learning baseline)"
+            parts = [f"decode {self.decode_tps:.0f} tok/s{baseline}"]
+        if self.acceptance is not None:
+            parts.append(f"acceptance {self.acceptance:.2f}")
+        if self.creep is not None:
+            parts.append(f"creep {100 * self.creep:.0f}%")
+        if self.action not in ("none",):
+            parts.append(f"restart {self.action} ({self.reason})")
+        return ", ".join(parts + self.notes)
+
+
+class HealthDaemon:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        control: ServerControl,
+        nvml: Nvml,
+        metrics: Metrics | None = None,
+        api: ServerApi | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        health, restart = config.spec.health, config.spec.restart
+        self.config, self.control, self.nvml, self.clock = config, control, nvml, clock
+        self.metrics = metrics or Metrics()
+        timeout = min(health.probe_timeout_seconds, 0.8 * health.interval_seconds)
+        self.api = api or ServerApi(config.server_url, read_api_key(config.api_key_file), timeout=timeout)
+        self.decay = DecayDetector(health.decay_ratio, health.consecutive, health.baseline_windows)
+        self.creep = CreepDetector(health.creep_ratio, health.consecutive)
+        self.policy = RestartPolicy(restart.cooldown_seconds, restart.max_per_hour, restart.idle_timeout_seconds)
+        self.previous: CounterSample | None = None
+        self.last_tokens_at = clock()
+        self.warmed_up = False
+        self.hung_checks = 0
+        self.low_headroom_checks = 0
+        self.gpu_restart_done = False
+        self.xids_seen: dict[int, int] = {}
+        self.last_context: int | None = None
+        self.baseline_versions: dict[str, str | None] | None = None
+        self.metrics.draft_configured.set(1 if config.draft_configured else 0)
+        self.metrics.speculation_engaged.set(1)
+        self.restart_log = RestartLog(config.state_file)
+        self._load_baseline()
+        self._load_state()
+
+    # -- state that outlives the daemon (a server restart restarts the daemon bound to it) --
+
+    def _load_baseline(self) -> None:
+        baseline = versions.Baseline.read(self.config.spec.health.baseline_file)
+        if baseline is not None:
+            self.decay.baselines.update(baseline.decode_tps)
+            self.baseline_versions = baseline.versions
+            log.info("decode baselines from %s: %s", self.config.spec.health.baseline_file, baseline.decode_tps)
+
+    def _load_state(self) -> None:
+        restarts = self.restart_log.read()
+        self.policy.history = [t for t, _ in restarts if self.clock() - t < 3600]
+        # Restarting the server restarts this daemon (BindsTo=): the one not_on_gpu restart must hold across it.
+        self.gpu_restart_done = bool(restarts) and restarts[-1][1] == "not_on_gpu"
+        for reason, total in self.restart_log.totals().items():
+            self.metrics.restarts.labels(reason).inc(total)
+        if restarts:
+            self.metrics.last_restart.set(restarts[-1][0])
+
+    # -- one check --
+
+    def check(self) -> Observation:
+        started = time.monotonic()
+        seen = Observation()
+        try:
+            self._probe_server(seen)
+            self._probe_gpu(seen)
+            self._probe_versions(seen)
+            self._act(seen)
+        except Exception:  # the daemon must outlive any surprise; say what happened and carry on
+            log.exception("health check failed")
+            self.metrics.probe_errors.labels("check").inc()
+        self.metrics.check_duration.set(time.monotonic() - started)
+        return seen
+
+    def _probe_server(self, seen: Observation) -> None:
+        try:
+            seen.up = self.api.health() == 200
+            self.hung_checks = 0
+        except ServerUnreachable as exc:
+            seen.up = False
+            self.metrics.probe_errors.labels("health").inc()
+            # A server that accepts and never answers is hung; a refused connection is merely down.
+            self.hung_checks = self.hung_checks + 1 if "timed out" in str(exc) and self._unit_active() else 0
+        self.metrics.server_up.set(1 if seen.up else 0)
+        if not seen.up:
+            return
+        try:
+            values = self.api.metrics()
+        except ServerUnreachable as exc:
+            log.warning("cannot use /metrics: %s", exc)
+            self.metrics.probe_errors.labels("metrics").inc()
+            return
+        processing = values.get("requests_processing", 0.0)
+        seen.busy = processing > 0
+        self.metrics.requests_processing.set(processing)
+        sample = CounterSample(
+            values.get("tokens_predicted_total", 0.0),
+            values.get("tokens_predicted_seconds_total", 0.0),
+            values.get("spec_decode_num_draft_tokens_total", 0.0),
+            values.get("spec_decode_num_accepted_tokens_total", 0.0),
+        )
+        w = window(self.previous, sample)
+        self.previous = sample
+        now = self.clock()
+        if w is not None and w.tokens > 0:
+            self.last_tokens_at = now
+            self.warmed_up = True
+            rate = w.decode_tps
+            if rate is not None:
+                self._record_rate(context_bucket(self._context_tokens()), rate, seen)
+            self.metrics.drafted.inc(max(w.drafted, 0))
+            self.metrics.accepted.inc(max(w.accepted, 0))
+            verdict = speculation(self.config.draft_configured, w, self.config.spec.health.acceptance_min)
+            if verdict.engaged is not None:
+                self.metrics.speculation_engaged.set(1 if verdict.engaged else 0)
+                if not verdict.engaged:
+                    seen.notes.append("SPECULATION NOT ENGAGED")
+            if verdict.acceptance is not None:
+                seen.acceptance = verdict.acceptance
+                self.metrics.acceptance.set(verdict.acceptance)
+        idle_for = now - self.last_tokens_at
+        canary_after = self.config.spec.health.canary_after_idle_seconds
+        if canary_after and idle_for >= canary_after and not seen.busy:
+            self._canary(seen)
+
+    def _context_tokens(self) -> int | None:
+        """The longest context of the slots' latest tasks; the last known one when /slots fails."""
+        try:
+            slots = self.api.slots()
+        except ServerUnreachable:
+            self.metrics.probe_errors.labels("slots").inc()
+            return self.last_context
+        sizes = [
+            int(s.get("n_prompt_tokens", 0)) + sum(int(t.get("n_decoded", 0)) for t in s.get("next_token", []))
+            for s in slots
+            if "n_prompt_tokens" in s
+        ]
+        if sizes:
+            self.last_context = max(sizes)
+        return self.last_context
+
+    def _record_rate(self, bucket: str, rate: float, seen: Observation) -> None:
+        self.decay.add(bucket, rate)
+        seen.decode_tps = self.decay.current(bucket) or rate
+        seen.baseline_tps = self.decay.baselines.get(bucket)
+        self.metrics.decode_tps.labels(bucket).set(seen.decode_tps)
+        if seen.baseline_tps:
+            self.metrics.decode_baseline.labels(bucket).set(seen.baseline_tps)
+        self.metrics.decay_breaches.labels(bucket).set(self.decay.breaches.get(bucket, 0))
+
+    def _canary(self, seen: Observation) -> None:
+        """An idle box is still measured: a fixed prompt, greedy, a few tokens; its own bucket."""
+        try:
+            answer = self.api.completion(
+                CANARY_PROMPT,
+                CANARY_TOKENS,
+                timeout=self.api.timeout,
+                temperature=0,
+                ignore_eos=True,
+                cache_prompt=False,
+            )
+            rate = float(answer["timings"]["predicted_per_second"])
+            values = self.api.metrics()
+        except (ServerUnreachable, KeyError, TypeError, ValueError) as exc:
+            log.warning("canary completion failed: %s", exc)
+            self.metrics.probe_errors.labels("canary").inc()
+            return
+        self.last_tokens_at = self.clock()
+        # The canary's own tokens are not traffic: the next window starts after them.
+        self.previous = CounterSample(
+            values.get("tokens_predicted_total", 0.0),
+            values.get("tokens_predicted_seconds_total", 0.0),
+            values.get("spec_decode_num_draft_tokens_total", 0.0),
+            values.get("spec_decode_num_accepted_tokens_total", 0.0),
+        )
+        self.warmed_up = True
+        if rate > 0:
+            self._record_rate(CANARY_BUCKET, rate, seen)
+
+    def _unit_active(self) -> bool:
+        try:
+            return self.control.active()
+        except UnitError:
+            self.metrics.probe_errors.labels("unit").inc()
+            return False
+
+    def _probe_gpu(self, seen: Observation) -> None:
+        try:
+            gpus = self.nvml.gpus()
+        except NvmlUnavailable as exc:
+            self.metrics.gpu_visible.set(0)
+            if self.config.gpu_spec:  # on a CPU spec no NVML is expected, not an error
+                self.metrics.probe_errors.labels("nvml").inc()
+                seen.notes.append(f"GPU not visible ({exc})")
+            return
+        self.metrics.gpu_visible.set(1)
+        min_free = self.config.spec.health.min_free_mib << 20
+        server_devices = set(gpu_devices(self.config.spec.models.target)) | set(draft_devices(self.config.spec))
+        low = False
+        for gpu in gpus:
+            self.metrics.gpu_total.labels(gpu.device).set(gpu.total_bytes)
+            self.metrics.gpu_used.labels(gpu.device).set(gpu.used_bytes)
+            self.metrics.gpu_free.labels(gpu.device).set(gpu.free_bytes)
+            # Only the server's GPUs: another workload filling another GPU is no reason to restart it.
+            low = low or (gpu.device in server_devices and gpu.free_bytes < min_free)
+            errors = self.nvml.xid_errors(gpu.index)
+            if errors > self.xids_seen.get(gpu.index, 0):
+                self.metrics.xid_errors.labels(gpu.device).inc(errors - self.xids_seen.get(gpu.index, 0))
+                self.xids_seen[gpu.index] = errors
+        self.low_headroom_checks = self.low_headroom_checks + 1 if low and seen.up else 0
+        if self.low_headroom_checks >= self.config.spec.health.consecutive:
+            seen.reason = seen.reason or "headroom"
+        if not self.config.gpu_spec:
+            return
+        pid = self._main_pid()
+        if pid is None:
+            return
+        mine = descendants(pid)
+        try:
+            used = sum(p.used_bytes for gpu in gpus for p in self.nvml.processes(gpu.index) if p.pid in mine)
+        except NvmlUnavailable:
+            self.metrics.probe_errors.labels("nvml").inc()
+            return
+        self.metrics.server_vram.set(used)
+        self.metrics.server_on_gpu.set(1 if used > 0 else 0)
+        if seen.up and self.warmed_up and used == 0:
+            seen.notes.append("server is NOT on the GPU")
+            if not self.gpu_restart_done:
+                seen.reason = seen.reason or "not_on_gpu"
+        if self.creep.add(used, seen.up and self.warmed_up):
+            seen.reason = seen.reason or "creep"
+        if self.creep.baseline:
+            seen.creep = self.creep.creep(used)
+            self.metrics.server_vram_baseline.set(self.creep.baseline)
+            self.metrics.creep.set(seen.creep)
+
+    def _main_pid(self) -> int | None:
+        try:
+            return self.control.main_pid()
+        except UnitError:
+            self.metrics.probe_errors.labels("unit").inc()
+            return None
+
+    def _probe_versions(self, seen: Observation) -> None:
+        found = versions.detect(self.nvml, self.config.engine_dir)
+        self.metrics.version.info(
+            {k: v or "unknown" for k, v in {**found.comparable(), "llama_cpp_python": found.llama_cpp_python}.items()}
+        )
+        problems = versions.mismatches(self.config.spec.versions, found)
+        self.metrics.version_mismatch.set(1 if problems else 0)
+        if problems:
+            seen.notes.append("version mismatch: " + "; ".join(problems))
+        if self.baseline_versions is None:
+            self.baseline_versions = found.comparable()
+        changed = versions.drift(self.baseline_versions, found)
+        self.metrics.version_drift.set(1 if changed else 0)
+        if changed:
+            seen.notes.append("versions changed since the baseline (" + ", ".join(changed) + "); baseline stale")
+
+    def _act(self, seen: Observation) -> None:
+        # Verdicts are states, not events: a wanted restart stays wanted across checks without new windows.
+        if self.decay.breached():
+            seen.reason = seen.reason or "decay"
+        if self.hung_checks >= self.config.spec.health.consecutive:
+            seen.reason = seen.reason or "hang"
+        now = self.clock()
+        decision = self.policy.decide(now, seen.reason, seen.busy)
+        seen.action = decision.action
+        self.metrics.restart_budget_exhausted.set(1 if self.policy.exhausted else 0)
+        self.metrics.restart_pending.set(1 if decision.action in ("wait", "cooldown") else 0)
+        if decision.action == "exhausted":
+            log.error(
+                "restart wanted (%s) but not done: %s; the server needs a human", decision.reason, decision.detail
+            )
+        elif decision.action in ("wait", "cooldown"):
+            log.info("restart wanted (%s): %s", decision.reason, decision.detail)
+        elif decision.action == "restart":
+            self.restart(decision.reason, decision.detail, now)
+
+    def restart(self, reason: str, detail: str, now: float) -> None:
+        log.warning("restarting llama-server: %s (%s)", reason, detail)
+        self.restart_log.append(now, reason)
+        self.policy.restarted(now)
+        self.metrics.restarts.labels(reason).inc()
+        self.metrics.last_restart.set(now)
+        if reason == "not_on_gpu":
+            self.gpu_restart_done = True
+        self.decay.after_restart()
+        self.creep.after_restart()
+        self.previous, self.warmed_up, self.hung_checks, self.low_headroom_checks = None, False, 0, 0
+        self.last_tokens_at = now
+        try:
+            self.control.restart(reason)
+        except UnitError as exc:
+            log.error("could not restart the server: %s", exc)
+
+    # -- the loop --
+
+    def run(self, stop: threading.Event, notifier: Notifier | None = None) -> int:
+        notifier = notifier or Notifier()
+        interval = self.config.spec.health.interval_seconds
+        seen = self.check()
+        notifier.ready(seen.status())
+        log.info("first check: %s", seen.status())
+        while not stop.wait(interval):
+            seen = self.check()
+            notifier.watchdog()
+            notifier.status(seen.status())
+            if seen.reason or seen.notes:
+                log.info("check: %s", seen.status())
+        notifier.stopping("stopping")
+        return 0

@@ -1,0 +1,206 @@
+"""Pure detectors: samples in, verdicts out. No clock, no I/O; the daemon feeds them and acts.
+
+Decode rates are compared like with like: each rate carries a context bucket (the canary has its own,
+fixed one), and a bucket is judged only against its own baseline, so a long conversation, which decodes
+slower because its context is longer, never reads as decay.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+CANARY_BUCKET = "canary"
+
+
+def context_bucket(context_tokens: int | None) -> str:
+    """Powers of two from 1K up: 'ctx<=1K', 'ctx<=2K', ... ; unknown context is its own bucket."""
+    if context_tokens is None:
+        return "ctx=unknown"
+    limit = 1024
+    while context_tokens > limit:
+        limit *= 2
+    return f"ctx<={limit // 1024}K"
+
+
+@dataclass(frozen=True)
+class CounterSample:
+    """llama-server's cumulative counters at one instant (they only grow, except across a restart)."""
+
+    tokens_predicted: float
+    tokens_predicted_seconds: float
+    drafted: float
+    accepted: float
+
+
+@dataclass(frozen=True)
+class Window:
+    """What happened between two samples."""
+
+    tokens: float
+    seconds: float
+    drafted: float
+    accepted: float
+
+    @property
+    def decode_tps(self) -> float | None:
+        return self.tokens / self.seconds if self.tokens > 0 and self.seconds > 0 else None
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted > 0 else None
+
+
+def window(previous: CounterSample | None, current: CounterSample) -> Window | None:
+    """The delta of two samples; None on the first sample or after a restart reset the counters."""
+    if previous is None or current.tokens_predicted < previous.tokens_predicted:
+        return None
+    return Window(
+        current.tokens_predicted - previous.tokens_predicted,
+        current.tokens_predicted_seconds - previous.tokens_predicted_seconds,
+        current.drafted - previous.drafted,
+        current.accepted - previous.accepted,
+    )
+
+
+@dataclass
+class DecayDetector:
+    """A breach is the median of a bucket's recent windows below ratio x its baseline, `consecutive` times.
+
+    One slow request is one low window: the median of several ignores it. A real drop moves the median
+    within a few windows and then counts `consecutive` breaches.
+    """
+
+    ratio: float
+    consecutive: int
+    baseline_windows: int
+    median_of: int = 5
+    baselines: dict[str, float] = field(default_factory=dict)
+    _learning: dict[str, list[float]] = field(default_factory=dict)
+    _recent: dict[str, deque[float]] = field(default_factory=dict)
+    breaches: dict[str, int] = field(default_factory=dict)
+
+    def add(self, bucket: str, decode_tps: float) -> bool:
+        """Record one window's rate; True when this bucket has now breached `consecutive` times in a row."""
+        if bucket not in self.baselines:
+            learning = self._learning.setdefault(bucket, [])
+            learning.append(decode_tps)
+            if len(learning) >= self.baseline_windows:
+                self.baselines[bucket] = statistics.median(learning)
+            return False
+        recent = self._recent.setdefault(bucket, deque(maxlen=self.median_of))
+        recent.append(decode_tps)
+        if len(recent) < self.median_of:  # the median of one or two windows is one slow request
+            return False
+        if statistics.median(recent) < self.ratio * self.baselines[bucket]:
+            self.breaches[bucket] = self.breaches.get(bucket, 0) + 1
+        else:
+            self.breaches[bucket] = 0
+        return self.breaches[bucket] >= self.consecutive
+
+    def breached(self) -> bool:
+        """Some bucket is in breach: the verdict stands between windows until a window clears it."""
+        return any(count >= self.consecutive for count in self.breaches.values())
+
+    def current(self, bucket: str) -> float | None:
+        recent = self._recent.get(bucket)
+        return statistics.median(recent) if recent else None
+
+    def after_restart(self) -> None:
+        """A restart cures fragmentation: judge the fresh server on fresh windows, keep the baselines."""
+        self._recent.clear()
+        self.breaches.clear()
+
+
+@dataclass
+class CreepDetector:
+    """Server VRAM against its post-warm-up baseline: creep = current / baseline - 1."""
+
+    ratio: float
+    consecutive: int
+    baseline: float | None = None
+    breaches: int = 0
+
+    def add(self, used_bytes: float, warmed_up: bool) -> bool:
+        if not warmed_up or used_bytes <= 0:
+            return False
+        if self.baseline is None:
+            self.baseline = used_bytes
+            return False
+        self.breaches = self.breaches + 1 if self.creep(used_bytes) > self.ratio else 0
+        return self.breaches >= self.consecutive
+
+    def creep(self, used_bytes: float) -> float:
+        return used_bytes / self.baseline - 1 if self.baseline else 0.0
+
+    def after_restart(self) -> None:
+        self.baseline = None
+        self.breaches = 0
+
+
+@dataclass(frozen=True)
+class SpeculationVerdict:
+    engaged: bool | None  # None: nothing generated yet, no verdict
+    acceptance: float | None
+    low: bool
+
+
+def speculation(draft_configured: bool, w: Window, acceptance_min: float) -> SpeculationVerdict:
+    if not draft_configured or w.tokens <= 0:
+        return SpeculationVerdict(None, None, False)
+    if w.drafted <= 0:
+        return SpeculationVerdict(False, None, False)
+    acceptance = w.acceptance
+    return SpeculationVerdict(True, acceptance, acceptance is not None and acceptance < acceptance_min)
+
+
+@dataclass(frozen=True)
+class RestartDecision:
+    action: str  # "restart", "wait", "cooldown", "exhausted", "none"
+    reason: str
+    detail: str = ""
+
+
+@dataclass
+class RestartPolicy:
+    """When a wanted restart may happen: idle (or idle_timeout at the latest), outside the cooldown,
+    at most max_per_hour; past the budget it stops restarting and says so instead of looping."""
+
+    cooldown_seconds: float
+    max_per_hour: int
+    idle_timeout_seconds: float
+    history: list[float] = field(default_factory=list)
+    wanted_since: float | None = None
+    wanted_reason: str = ""
+    exhausted: bool = False
+
+    def decide(self, now: float, reason: str | None, busy: bool) -> RestartDecision:
+        if reason is None:
+            self.wanted_since, self.wanted_reason = None, ""
+            return RestartDecision("none", "")
+        if self.wanted_since is None:
+            self.wanted_since, self.wanted_reason = now, reason
+        recent = [t for t in self.history if now - t < 3600]
+        if len(recent) >= self.max_per_hour:
+            self.exhausted = True
+            return RestartDecision(
+                "exhausted", reason, f"{len(recent)} restarts in the last hour (max_per_hour {self.max_per_hour})"
+            )
+        self.exhausted = False
+        if self.history and now - self.history[-1] < self.cooldown_seconds:
+            return RestartDecision(
+                "cooldown", reason, f"{self.cooldown_seconds - (now - self.history[-1]):.0f} s of cooldown left"
+            )
+        waited = now - self.wanted_since
+        if busy and waited < self.idle_timeout_seconds:
+            return RestartDecision(
+                "wait", reason, f"server busy; restarting when idle or in {self.idle_timeout_seconds - waited:.0f} s"
+            )
+        return RestartDecision(
+            "restart", reason, "idle" if not busy else f"still busy after {waited:.0f} s (idle_timeout)"
+        )
+
+    def restarted(self, now: float) -> None:
+        self.history = [t for t in self.history if now - t < 3600] + [now]
+        self.wanted_since, self.wanted_reason = None, ""

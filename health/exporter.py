@@ -1,0 +1,74 @@
+"""The health daemon's Prometheus metrics, on a registry of its own.
+
+Labelled series that alerts depend on are created at start, so they exist at zero before anything
+happens (an alert on `increase(...restarts_total[6h])` needs the series to exist).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info
+from prometheus_client.exposition import start_http_server
+
+PREFIX = "llm_appliance"
+RESTART_REASONS = ("decay", "creep", "headroom", "hang", "not_on_gpu", "scheduled", "manual")
+PROBES = ("health", "metrics", "slots", "nvml", "canary", "unit", "check")  # "check": an unexpected error
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(f"{PREFIX}_{name}", doc, labels, registry=r)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, labels, registry=r)
+
+        self.server_up = gauge("server_up", "1 when llama-server answers /health with 200")
+        self.requests_processing = gauge("requests_processing", "Requests llama-server is processing")
+        self.decode_tps = gauge(
+            "decode_tokens_per_second", "Median decode rate of recent windows, by context bucket", ("bucket",)
+        )
+        self.decode_baseline = gauge(
+            "decode_baseline_tokens_per_second", "Decode rate baseline, by context bucket", ("bucket",)
+        )
+        self.decay_breaches = gauge(
+            "decode_decay_breaches", "Consecutive windows below decay_ratio x baseline", ("bucket",)
+        )
+        self.draft_configured = gauge("draft_configured", "1 when the spec configures a draft model")
+        self.speculation_engaged = gauge(
+            "speculation_engaged", "1 while drafts are being made (or nothing was generated yet)"
+        )
+        self.acceptance = gauge(
+            "speculation_acceptance_ratio", "Accepted / drafted tokens in the last window with drafts"
+        )
+        self.drafted = counter("speculation_drafted_tokens", "Draft tokens proposed, as counted by llama-server")
+        self.accepted = counter("speculation_accepted_tokens", "Draft tokens accepted by the target")
+        self.gpu_total = gauge("gpu_memory_total_bytes", "GPU memory, total", ("device",))
+        self.gpu_used = gauge("gpu_memory_used_bytes", "GPU memory, used", ("device",))
+        self.gpu_free = gauge("gpu_memory_free_bytes", "GPU memory, free", ("device",))
+        self.gpu_visible = gauge("gpu_visible", "1 when NVML can be read")
+        self.xid_errors = counter("gpu_xid_errors", "Critical XID errors reported by NVML", ("device",))
+        self.server_vram = gauge("server_vram_bytes", "GPU memory held by the llama-server process")
+        self.server_vram_baseline = gauge("server_vram_baseline_bytes", "Server VRAM after warm-up")
+        self.creep = gauge("server_vram_creep_ratio", "Server VRAM / its post-warm-up baseline - 1")
+        self.server_on_gpu = gauge("server_on_gpu", "1 when the server process holds GPU memory (GPU specs only)")
+        self.version = Info(f"{PREFIX}_version", "Driver, CUDA and llama.cpp versions in use", registry=r)
+        self.version_mismatch = gauge("version_mismatch", "1 when a version differs from the spec's pins")
+        self.version_drift = gauge("version_drift", "1 when versions changed since the baseline was measured")
+        self.restarts = counter("restarts", "Server restarts by the appliance, by reason", ("reason",))
+        self.last_restart = gauge("last_restart_timestamp_seconds", "Unix time of the last restart by the appliance")
+        self.restart_budget_exhausted = gauge(
+            "restart_budget_exhausted", "1 when max_per_hour was reached and restarts stopped"
+        )
+        self.restart_pending = gauge("restart_pending", "1 while a wanted restart waits for idle or the cooldown")
+        self.check_duration = gauge("check_duration_seconds", "Duration of the last health check")
+        self.probe_errors = counter("probe_errors", "Probes that failed, by probe", ("probe",))
+        for reason in RESTART_REASONS:
+            self.restarts.labels(reason)
+        for probe in PROBES:
+            self.probe_errors.labels(probe)
+
+
+def serve(metrics: Metrics, host: str, port: int) -> None:
+    start_http_server(port, addr=host, registry=metrics.registry)

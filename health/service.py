@@ -1,0 +1,120 @@
+"""Entry points: the health unit's daemon, the server unit's version check, the timer's idle restart,
+and `llm-appliance up` (launcher and daemon together, no systemd)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from appliance import paths
+from appliance.gpu import Pynvml
+from appliance.launch import Launcher, LaunchPlan
+from appliance.load import load_spec
+from appliance.notify import Notifier
+from appliance.server_api import ServerApi, ServerUnreachable, read_api_key
+from appliance.spec import Spec
+from health import versions
+from health.daemon import DaemonConfig, HealthDaemon
+from health.exporter import Metrics, serve
+from health.state import RestartLog
+from health.units import SystemdUnit, UnitError
+
+log = logging.getLogger("llm-appliance.health")
+
+
+def run_daemon(spec_path: Path) -> int:
+    spec = load_spec(spec_path).spec
+    metrics = Metrics()
+    serve(metrics, spec.prometheus.host, spec.prometheus.port)
+    daemon = HealthDaemon(DaemonConfig.from_spec(spec), SystemdUnit(paths.SERVER_UNIT), Pynvml(), metrics)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    log.info("exporting metrics on %s:%d", spec.prometheus.host, spec.prometheus.port)
+    return daemon.run(stop)
+
+
+def check_versions(spec_path: Path) -> int:
+    """ExecStartPre of the server: refuse the start on a pin mismatch when the spec says refuse."""
+    spec = load_spec(spec_path).spec
+    found = versions.detect(Pynvml(), paths.ENGINE_DIR)
+    problems = versions.mismatches(spec.versions, found)
+    summary = (
+        f"driver {found.driver or '-'}, CUDA {found.cuda or '-'}, {found.llama_cpp or 'llama-server: no manifest'}"
+    )
+    if not problems:
+        log.info("versions ok: %s", summary)
+        return 0
+    for problem in problems:
+        log.error("version mismatch: %s", problem)
+    if spec.versions.on_mismatch == "refuse":
+        log.error('refusing to start (versions.on_mismatch = "refuse"); fix the versions or set on_mismatch = "warn"')
+        return 1
+    log.warning('starting anyway (versions.on_mismatch = "warn")')
+    return 0
+
+
+def restart_when_idle(spec_path: Path, reason: str, control: SystemdUnit | None = None) -> int:
+    """What the timer runs: wait until no request is processing (idle_timeout at the latest), restart."""
+    spec = load_spec(spec_path).spec
+    config = DaemonConfig.from_spec(spec)
+    api = ServerApi(config.server_url, read_api_key(config.api_key_file), timeout=spec.health.probe_timeout_seconds)
+    control = control or SystemdUnit(paths.SERVER_UNIT)
+    deadline = time.monotonic() + spec.restart.idle_timeout_seconds
+    while time.monotonic() < deadline:
+        try:
+            if api.metrics().get("requests_processing", 0) == 0:
+                break
+        except ServerUnreachable as exc:
+            log.info("server not answering (%s): restarting without waiting", exc)
+            break
+        time.sleep(1.0)
+    else:
+        log.warning("still busy after idle_timeout (%d s): restarting anyway", spec.restart.idle_timeout_seconds)
+    RestartLog(config.state_file).append(time.time(), reason)
+    try:
+        control.restart(reason)
+    except UnitError as exc:
+        log.error("restart failed: %s", exc)
+        return 3
+    log.info("restarted %s (%s)", paths.SERVER_UNIT, reason)
+    return 0
+
+
+class LauncherControl:
+    """The server as `llm-appliance up` runs it: the launcher in this process, llama-server its child."""
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+
+    def main_pid(self) -> int | None:
+        return os.getpid()
+
+    def active(self) -> bool:
+        return self.launcher.child is not None and self.launcher.child.poll() is None
+
+    def restart(self, reason: str) -> None:
+        self.launcher.request_restart()
+
+
+def up(spec: Spec, plan: LaunchPlan, stop_timeout: float, state_dir: Path | None = None) -> int:
+    """Launcher in the foreground, health daemon and exporter beside it; Ctrl-C stops both."""
+    metrics = Metrics()
+    serve(metrics, spec.prometheus.host, spec.prometheus.port)
+    launcher = Launcher(plan, stop_timeout=stop_timeout)
+    overrides = {"state_file": state_dir / "health-state.json"} if state_dir else {}
+    daemon = HealthDaemon(DaemonConfig.from_spec(spec, **overrides), LauncherControl(launcher), Pynvml(), metrics)
+    # The daemon's READY/STATUS must not reach the launcher's socket: one process, one notifier.
+    thread = threading.Thread(
+        target=daemon.run, args=(launcher.stop_requested, Notifier(enabled=False)), daemon=True, name="health"
+    )
+    thread.start()
+    log.info("health daemon exporting metrics on %s:%d", spec.prometheus.host, spec.prometheus.port)
+    code = launcher.run()
+    launcher.stop_requested.set()
+    thread.join(timeout=spec.health.interval_seconds + 5)
+    return code

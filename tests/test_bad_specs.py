@@ -1,0 +1,814 @@
+"""Bad specs, each a small edit of a shipped example: the error names the field, the file and its line.
+
+Placeholders in a case's edits: $MODELS (the fixture models directory the example points at), $TMP (this
+test's directory, holding the broken model files of `bad_files`), $SMOLLM2 and $GEMMA3 (the real models).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLE_FACTS, gpu_facts
+
+from appliance.machine import MachineFacts
+from appliance.problems import Problem, Severity, SpecInvalid, report
+from appliance.validate import validate
+
+TARGET_PATH = 'path = "$MODELS/target-27b-Q4_K_M.gguf"'
+DRAFT_PATH = 'path = "$MODELS/draft-0.6b-Q4_K_M.gguf"'
+DEMO_DRAFT_PATH = '[models.draft]\npath = "$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf"'
+TARGET_CACHE = 'cache_type_k = "q8_0"\ncache_type_v = "q8_0"\n\n[models.draft]'
+DRAFT_CACHE = 'cache_type_k = "q8_0"\ncache_type_v = "q8_0"\n\n[speculative]'
+FIRST_LINE = "# llm-appliance: one 24 GB GPU"
+NETWORK_ALLOW = '[network]\nallow = ["127.0.0.0/8", "::1/128"]\n'
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    edits: dict[str, str]
+    field: str
+    message: str
+    fix: str = ""
+    at: str | None = None  # text on the line the problem must point at; None: no line to point at
+    errors: int = 1  # how many errors the spec has in all
+    base: str = "appliance.toml"
+    facts: MachineFacts | None = None  # None: the base example's facts
+    edit: Callable[[str], str] | None = None  # a change replace cannot express
+    raw: Callable[[bytes], bytes] | None = None  # a change to the file's bytes
+    severity: Severity = field(default=Severity.ERROR)
+
+
+def _drop_table(name: str) -> Callable[[str], str]:
+    def edit(text: str) -> str:
+        new, count = re.subn(rf"^\[{re.escape(name)}\]\n(?:[^\[\n].*\n|\n)*", "", text, flags=re.M)
+        assert count == 1, name
+        return new
+
+    return edit
+
+
+def _drop_line(start: str) -> Callable[[str], str]:
+    def edit(text: str) -> str:
+        new, count = re.subn(rf"^{re.escape(start)}.*\n", "", text, count=1, flags=re.M)
+        assert count == 1, start
+        return new
+
+    return edit
+
+
+BAD = [
+    # --- type errors (TOML types are kept: no silent coercion) ---
+    Case(
+        "port-string", {"port = 8080": 'port = "8080"'}, "server.port", "valid integer", "an integer", 'port = "8080"'
+    ),
+    Case("parallel-bool", {"parallel = 4 ": "parallel = true "}, "server.parallel", "valid integer", at="parallel ="),
+    Case("ctx-float", {"ctx_size = 32768": "ctx_size = 32768.5"}, "server.ctx_size", "valid integer", at="ctx_size"),
+    Case(
+        "utilization-string",
+        {"gpu_memory_utilization = 0.95": 'gpu_memory_utilization = "high"'},
+        "memory.gpu_memory_utilization",
+        "valid number",
+        "a number",
+        "gpu_memory_utilization",
+    ),
+    Case("host-int", {'host = "127.0.0.1"': "host = 127"}, "server.host", "valid string", "a string", "host = 127"),
+    Case(
+        "extra-args-string",
+        {'load_mode = "mmap"': 'load_mode = "mmap"\nextra_args = "--verbose"'},
+        "server.extra_args",
+        "valid list",
+        "an array",
+        "extra_args",
+    ),
+    Case(
+        "table-as-string",
+        {FIRST_LINE: f'versions = "0.1"\n{FIRST_LINE}', '[versions]\non_mismatch = "warn"\n': ""},
+        "versions",
+        "valid dictionary",
+        "a table",
+        'versions = "0.1"',
+    ),
+    Case(
+        "label-value-int",
+        {'labels = { appliance = "workstation" }': "labels = { appliance = 1 }"},
+        "prometheus.labels.appliance",
+        "valid string",
+        at="labels =",
+    ),
+    Case(
+        "gpu-layers-word",
+        {'gpu_layers = "all"      #': 'gpu_layers = "most"      #'},
+        "models.draft.gpu_layers",
+        "'auto' or 'all'",
+        at='gpu_layers = "most"',
+        errors=2,  # neither an integer nor one of the words
+    ),
+    Case("model-path-int", {TARGET_PATH: "path = 42"}, "models.target.path", "not a valid path", at="path = 42"),
+    # --- range errors ---
+    Case("port-0", {"port = 8080": "port = 0"}, "server.port", "greater than or equal to 1", "ge 1", "port = 0"),
+    Case(
+        "port-70000",
+        {"port = 8080": "port = 70000"},
+        "server.port",
+        "less than or equal to 65535",
+        "le 65535",
+        "port = 70000",
+    ),
+    Case("n-max-0", {"n_max = 6 ": "n_max = 0 "}, "speculative.n_max", "greater than or equal to 1", at="n_max = 0"),
+    Case("n-max-65", {"n_max = 6 ": "n_max = 65 "}, "speculative.n_max", "less than or equal to 64", at="n_max = 65"),
+    Case(
+        "utilization-1.5",
+        {"gpu_memory_utilization = 0.95": "gpu_memory_utilization = 1.5"},
+        "memory.gpu_memory_utilization",
+        "less than or equal to 1 (got 1.5)",
+        at="gpu_memory_utilization = 1.5",
+    ),
+    Case(
+        "ctx-negative",
+        {"ctx_size = 32768": "ctx_size = -1"},
+        "server.ctx_size",
+        "greater than or equal to 256 (got -1)",
+        at="ctx_size = -1",
+    ),
+    Case(
+        "temperature-negative",
+        {"temperature = 0.6": "temperature = -1"},
+        "server.sampling.temperature",
+        "greater than or equal to 0",
+        at="temperature = -1",
+    ),
+    Case(
+        "device-total-0",
+        {"compute_headroom_mib = 1024": "compute_headroom_mib = 1024\ndevice_total_mib = { CUDA0 = 0 }"},
+        "memory.device_total_mib.CUDA0",
+        "greater than 0",
+        at="device_total_mib",
+    ),
+    Case(
+        "decay-ratio-1",
+        {"decay_ratio = 0.8": "decay_ratio = 1.0"},
+        "health.decay_ratio",
+        "less than 1",
+        at="decay_ratio",
+    ),
+    Case(
+        "dotted-key-range",
+        {
+            "[server.sampling]\ntemperature = 0.6       # low for code\ntop_p = 0.95\ntop_k = 20\n": "",
+            'load_mode = "mmap"': 'load_mode = "mmap"\nsampling.top_k = 5000',
+        },
+        "server.sampling.top_k",
+        "less than or equal to 1000 (got 5000)",
+        at="sampling.top_k",
+    ),
+    Case(
+        "inline-table-type",
+        {"[models.draft]\n": '[models.draft]\nextra = { devices = "CUDA0" }\n'},
+        "models.draft.extra",
+        "unknown key",
+        at="extra = {",
+    ),
+    # --- unknown keys, with did-you-mean ---
+    Case(
+        "top-level-typo",
+        {FIRST_LINE: f"servr = 1\n{FIRST_LINE}"},
+        "servr",
+        "unknown key",
+        "did you mean 'server'?",
+        "servr = 1",
+    ),
+    Case(
+        "n-maxx",
+        {"n_max = 6 ": "n_maxx = 6 "},
+        "speculative.n_maxx",
+        "unknown key",
+        "did you mean 'n_max'?",
+        "n_maxx",
+    ),
+    Case(
+        "nested-cache-typo",
+        {DRAFT_CACHE: DRAFT_CACHE.replace("cache_type_k", "cache_type_kk")},
+        "models.draft.cache_type_kk",
+        "unknown key",
+        "did you mean 'cache_type_k'?",
+        "cache_type_kk",
+    ),
+    Case(
+        "sampling-typo",
+        {"temperature = 0.6": "temprature = 0.6"},
+        "server.sampling.temprature",
+        "unknown key",
+        "did you mean 'temperature'?",
+        "temprature",
+    ),
+    Case(
+        "short-key",
+        {"labels = { appliance": "scrape_interval = 15\nlabels = { appliance"},
+        "prometheus.scrape_interval",
+        "unknown key",
+        "did you mean 'scrape_interval_seconds'?",
+        "scrape_interval = 15",
+    ),
+    Case(
+        "unknown-no-match",
+        {"interval_seconds = 30": "interval_seconds = 30\nbogus = { a = 1 }"},
+        "health.bogus",
+        "unknown key",
+        "known keys here: acceptance_min, baseline_file",
+        "bogus =",
+    ),
+    Case(
+        # pydantic names union branches "float", "int", ...: a key so named is still the user's key.
+        "key-named-float",
+        {FIRST_LINE: f"float = 1\n{FIRST_LINE}"},
+        "float",
+        "unknown key",
+        "known keys here: health, memory, models",
+        "float = 1",
+    ),
+    Case(
+        "table-typo",
+        {"[models.target]": "[models.targt]"},
+        "models.targt",
+        "unknown key",
+        "did you mean 'target'?",
+        "[models.targt]",
+        errors=2,  # and models.target is missing
+    ),
+    # --- missing required keys ---
+    Case(
+        "missing-target",
+        {},
+        "models.target",
+        "required but missing",
+        "add 'target = ...' to [models]",
+        edit=_drop_table("models.target"),
+    ),
+    Case(
+        "missing-target-path",
+        {},
+        "models.target.path",
+        "required but missing",
+        "add 'path = ...' to [models.target]",
+        "[models.target]",
+        edit=_drop_line('path = "'),  # the first path is the target's
+    ),
+    # --- literals ---
+    Case(
+        "flash-attn-maybe",
+        {'flash_attn = "on"': 'flash_attn = "maybe"'},
+        "server.flash_attn",
+        "Input should be 'auto', 'on' or 'off' (got 'maybe')",
+        "use one of 'auto', 'on' or 'off'",
+        "flash_attn",
+    ),
+    Case(
+        "cache-q3_0",
+        {TARGET_CACHE: TARGET_CACHE.replace('k = "q8_0"', 'k = "q3_0"')},
+        "models.target.cache_type_k",
+        "(got 'q3_0')",
+        "'q8_0'",
+        'cache_type_k = "q3_0"',
+    ),
+    Case(
+        "load-mode-mlockk",
+        {'load_mode = "mmap"': 'load_mode = "mlockk"'},
+        "server.load_mode",
+        "(got 'mlockk')",
+        "'mmap+mlock'",
+        "load_mode",
+    ),
+    Case(
+        "egress-block",
+        {'egress = "deny"': 'egress = "block"'},
+        "network.egress",
+        "Input should be 'deny' or 'allow'",
+        at="egress",
+    ),
+    Case(
+        "speculative-type-word",
+        {'type = "draft-simple"': 'type = "draft"'},
+        "speculative.type",
+        "(got 'draft')",
+        "'draft-simple'",
+        'type = "draft"',
+    ),
+    Case(
+        "on-mismatch-abort",
+        {'on_mismatch = "warn"': 'on_mismatch = "abort"'},
+        "versions.on_mismatch",
+        "'refuse' or 'warn'",
+        at="on_mismatch",
+    ),
+    # --- field validators ---
+    Case(
+        "cidr-host-bits",
+        {'allow = ["127.0.0.0/8"': 'allow = ["127.0.0.1/8"'},
+        "network.allow",
+        "'127.0.0.1/8' is not a network in CIDR form",
+        at="allow =",
+    ),
+    Case(
+        "cidr-prefix-33",
+        {'allow = ["127.0.0.0/8"': 'allow = ["10.0.0.0/33"'},
+        "network.allow",
+        "'10.0.0.0/33' is not a network in CIDR form",
+        at="allow =",
+    ),
+    Case(
+        "host-name",
+        {'host = "127.0.0.1"': 'host = "example.com"'},
+        "server.host",
+        "'example.com' is not an IP address",
+        at='host = "example.com"',
+    ),
+    Case(
+        "device-name",
+        {'devices = ["CUDA0"]\ngpu_layers = "all"\n#': 'devices = ["cuda:0"]\ngpu_layers = "all"\n#'},
+        "models.target.devices",
+        "'cuda:0' is not a llama.cpp device name",
+        at='devices = ["cuda:0"]',
+    ),
+    Case(
+        "label-name-dash",
+        {'labels = { appliance = "workstation" }': 'labels = { "bad-label" = "x" }'},
+        "prometheus.labels",
+        "'bad-label' is not a Prometheus label name",
+        at="labels =",
+    ),
+    Case(
+        "label-name-reserved",
+        {'labels = { appliance = "workstation" }': 'labels = { __name__ = "x" }'},
+        "prometheus.labels",
+        "'__name__' is not a Prometheus label name",
+        at="labels =",
+    ),
+    Case(
+        "schedule-blank",
+        {'schedule = "*-*-* 04:00:00"': 'schedule = "  "'},
+        "restart.schedule",
+        "one systemd OnCalendar expression",
+        at="schedule",
+    ),
+    # --- checks across fields ---
+    Case(
+        "n-min-above-n-max",
+        {"n_min = 3": "n_min = 7"},
+        "speculative.n_min",
+        "n_min 7 is above n_max 6",
+        "at most 6",
+        "n_min = 7",
+    ),
+    Case(
+        "port-clash",
+        {"port = 9478": "port = 0x1F90"},  # 8080, written so that the exporter's line is told apart
+        "prometheus.port",
+        "would both listen on port 8080",
+        "prometheus.port = ",
+        "port = 0x1F90",
+    ),
+    Case(
+        "network-host-without-key",
+        {'host = "127.0.0.1"': 'host = "0.0.0.0"'},
+        "server.api_key_file",
+        "server.host 0.0.0.0 is reachable from the network but no API key is set",
+        "api_key_file",
+        "[server]",
+    ),
+    Case(
+        "network-host-without-allow",
+        {'host = "127.0.0.1"': 'host = "::"\napi_key_file = "$TMP/api.key"', NETWORK_ALLOW: "[network]\n"},
+        "network.allow",
+        "server.host :: listens beyond loopback but no client networks are allowed",
+        "allow = [",
+        "[network]",
+    ),
+    Case(
+        "api-key-file-missing",
+        {'host = "127.0.0.1"': 'host = "127.0.0.1"\napi_key_file = "$TMP/no-such.key"'},
+        "server.api_key_file",
+        "no-such.key does not exist",
+        "install -m 0640",
+        "api_key_file",
+    ),
+    Case(
+        "quantized-v-without-flash-attn",
+        {'flash_attn = "on"': 'flash_attn = "off"'},
+        "models.target.cache_type_v",
+        "a quantized V cache (q8_0) needs flash attention",
+        'server.flash_attn = "auto"',
+        'cache_type_v = "q8_0"',
+        errors=2,  # the draft's V cache too
+    ),
+    Case(
+        "draft-with-ngram",
+        {'type = "draft-simple"': 'type = "ngram-simple"'},
+        "speculative.type",
+        "a draft model is configured but type is 'ngram-simple'",
+        "remove [models.draft]",
+        'type = "ngram-simple"',
+    ),
+    Case(
+        "draft-with-type-none",
+        {'type = "draft-simple"': 'type = "none"'},
+        "speculative.type",
+        "type is 'none', which never uses it",
+        at='type = "none"',
+    ),
+    # --- model files ---
+    Case(
+        "relative-path",
+        {TARGET_PATH: 'path = "target-27b-Q4_K_M.gguf"'},
+        "models.target.path",
+        "target-27b-Q4_K_M.gguf is relative",
+        "/var/lib/llm-appliance/models/target-27b-Q4_K_M.gguf",
+        'path = "target',
+    ),
+    Case(
+        "missing-file",
+        {TARGET_PATH: 'path = "$MODELS/no-such-model.gguf"'},
+        "models.target.path",
+        "no-such-model.gguf: no such file",
+        "whole .gguf file",
+        "no-such-model",
+    ),
+    Case(
+        "missing-draft-file",
+        {DRAFT_PATH: 'path = "$MODELS/no-such-draft.gguf"'},
+        "models.draft.path",
+        "no-such-draft.gguf: no such file",
+        at="no-such-draft",
+    ),
+    Case(
+        "random-bytes",
+        {TARGET_PATH: 'path = "$TMP/random.gguf"'},
+        "models.target.path",
+        "random.gguf: not a GGUF file: starts with",
+        at="random.gguf",
+    ),
+    Case(
+        "truncated-gguf",
+        {TARGET_PATH: 'path = "$TMP/truncated.gguf"'},
+        "models.target.path",
+        "truncated: its tensors need",
+        "re-copy",
+        "truncated.gguf",
+    ),
+    Case(
+        "header-cut-short",
+        {DRAFT_PATH: 'path = "$TMP/header.gguf"'},
+        "models.draft.path",
+        "corrupt or truncated GGUF header",
+        at="header.gguf",
+    ),
+    Case(
+        "empty-file",
+        {TARGET_PATH: 'path = "$TMP/empty.gguf"'},
+        "models.target.path",
+        "not a GGUF file: only 0 bytes",
+        at="empty.gguf",
+    ),
+    Case(
+        "directory",
+        {TARGET_PATH: 'path = "$TMP/model-dir"'},
+        "models.target.path",
+        "is a directory",
+        at="model-dir",
+    ),
+    Case(
+        "file-as-directory",
+        {TARGET_PATH: 'path = "$TMP/random.gguf/model.gguf"'},
+        "models.target.path",
+        "cannot be read: Not a directory",
+        at="random.gguf/model.gguf",
+    ),
+    Case(
+        "incompatible-vocabulary",
+        {DEMO_DRAFT_PATH: '[models.draft]\npath = "$GEMMA3"'},
+        "models.draft.path",
+        "the draft's vocabulary is incompatible with the target's (vocab types differ: target BPE, draft SPM",
+        "same tokenizer",
+        "gemma-3-270m",
+        base="demo.toml",
+    ),
+    # --- the memory budget ---
+    Case(
+        "over-budget",
+        {TARGET_CACHE: TARGET_CACHE.replace("q8_0", "f16"), DRAFT_CACHE: DRAFT_CACHE.replace("q8_0", "f16")},
+        "server.ctx_size",
+        "CUDA0 is over budget by ",
+        "or less",
+        "ctx_size = 32768",
+    ),
+    Case(
+        "unknown-device-memory",
+        {},
+        "memory.device_total_mib.CUDA0",
+        "cannot tell how much memory CUDA0 has: NVML: NVML Shared Library Not Found",
+        "memory.device_total_mib = { CUDA0 = 24576 }",
+        "[memory]",
+        facts=gpu_facts(),
+    ),
+    Case(
+        "second-gpu-missing",
+        {},
+        "memory.device_total_mib.CUDA1",
+        "NVML lists no such GPU",
+        "{ CUDA1 = 24576 }",
+        "[memory]",
+        base="dual-gpu.toml",
+        facts=gpu_facts(24),
+    ),
+    # --- extra_args against the flag dialect ---
+    Case(
+        "extra-removed-flag",
+        {'load_mode = "mmap"': 'load_mode = "mmap"\nextra_args = ["--draft-max", "8"]'},
+        "server.extra_args[0]",
+        "--draft-max was removed from llama-server",
+        "set speculative.n_max in the spec instead",
+        "extra_args",
+    ),
+    Case(
+        "extra-unknown-flag",
+        {'load_mode = "mmap"': 'load_mode = "mmap"\nextra_args = ["--frobnicate"]'},
+        "server.extra_args[0]",
+        "--frobnicate is not a flag of",
+        "llama-server --help",
+        "extra_args",
+    ),
+    Case(
+        "extra-planned-flag",
+        {'load_mode = "mmap"': 'load_mode = "mmap"\nextra_args = ["--ctx-size", "4096"]'},
+        "server.extra_args[0]",
+        "--ctx-size is already set from the spec",
+        "ctx_size",
+        "extra_args",
+    ),
+    Case(
+        "extra-planned-short-flag",
+        {'load_mode = "mmap"': 'load_mode = "mmap"\nextra_args = ["--verbose", "-c", "4096"]'},
+        "server.extra_args[1]",
+        "-c is already set from the spec",
+        at="extra_args",
+    ),
+    # --- the file itself ---
+    Case(
+        "syntax-unterminated-string",
+        {'load_mode = "mmap"': 'load_mode = "mmap'},
+        "(syntax)",
+        "not valid TOML",
+        "fix the TOML syntax",
+        'load_mode = "mmap',
+    ),
+    Case(
+        "syntax-duplicate-key",
+        {"n_min = 3": "n_min = 3\nn_max = 4"},
+        "(syntax)",
+        "not valid TOML: Cannot overwrite a value",
+        at="n_max = 4",
+    ),
+    Case(
+        "not-utf8",
+        {},
+        "(file)",
+        "not UTF-8 text",
+        "save the spec as UTF-8",
+        raw=lambda data: data.replace(b"workstation", b"work\xffstation"),
+    ),
+]
+
+WARNINGS = [
+    Case(
+        "n-max-20",
+        {"n_max = 6 ": "n_max = 20 "},
+        "speculative.n_max",
+        "K = 20 drafts more tokens than a draft usually gets accepted",
+        at="n_max = 20",
+    ),
+    Case(
+        "ctx-above-trained",
+        {
+            "ctx_size = 32768": "ctx_size = 65536",
+            TARGET_CACHE: TARGET_CACHE.replace("q8_0", "q4_0"),
+            DRAFT_CACHE: DRAFT_CACHE.replace("q8_0", "q4_0"),
+        },
+        "server.ctx_size",
+        "65536 is above the target's trained context of 40960 tokens",
+        "at most 40960",
+        "ctx_size = 65536",
+    ),
+    Case(
+        "draft-quantization-mismatch",
+        {DRAFT_PATH: 'path = "$SMOLLM2"'},
+        "models.draft.path",
+        "the draft is Q4_1 but the target is Q4_K_M",
+        "use a Q4_K_M build of the draft",
+        "SmolLM2",
+    ),
+    Case(
+        "draft-partly-offloaded",
+        {'gpu_layers = "all"      #': "gpu_layers = 10      #"},
+        "models.draft.gpu_layers",
+        "the draft is not fully offloaded (10 of 28 layers)",
+        'gpu_layers = "all"',
+        "gpu_layers = 10",
+    ),
+    Case(
+        "kv-types-differ-on-cuda",
+        {TARGET_CACHE: TARGET_CACHE.replace('v = "q8_0"', 'v = "q4_0"')},
+        "models.target.cache_type_k",
+        "K cache q8_0 and V cache q4_0 differ",
+        "use the same type for both",
+        'cache_type_k = "q8_0"',  # the first one in the file, the target's
+    ),
+    Case(
+        "draft-type-without-draft",
+        {},
+        "models.draft",
+        "speculative.type is 'draft-simple' but no draft model is configured",
+        'speculative.type = "none"',
+        base="demo.toml",
+        edit=_drop_table("models.draft"),
+    ),
+    Case(
+        "small-slots",
+        {"parallel = 1": "parallel = 4"},
+        "server.parallel",
+        "each of 4 slots gets only 1024 tokens of context",
+        at="parallel = 4",
+        base="demo.toml",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
+    """Broken model files and a key file."""
+    directory = tmp_path_factory.mktemp("bad-files")
+    (directory / "random.gguf").write_bytes(random.Random(1).randbytes(4096))
+    with smollm2.open("rb") as whole:
+        head = whole.read(3 << 20)  # SmolLM2's whole header (vocabulary included) and the first tensors
+    assert len(head) == 3 << 20
+    (directory / "truncated.gguf").write_bytes(head)
+    (directory / "header.gguf").write_bytes(head[:30])
+    (directory / "empty.gguf").write_bytes(b"")
+    (directory / "model-dir").mkdir()
+    (directory / "api.key").write_text("secret\n")
+    return directory
+
+
+def written(
+    case: Case, example: Callable[..., Path], tmp: Path, models: Path, smollm2: Path, gemma3: Path
+) -> tuple[Path, str]:
+    def fill(text: str) -> str:
+        return (
+            text.replace("$MODELS", str(models))
+            .replace("$TMP", str(tmp))
+            .replace("$SMOLLM2", str(smollm2))
+            .replace("$GEMMA3", str(gemma3))
+        )
+
+    spec = example(case.base, replace={fill(old): fill(new) for old, new in case.edits.items()})
+    text = spec.read_text()
+    if case.edit:
+        text = case.edit(text)
+        spec.write_text(text)
+    if case.raw:
+        data = spec.read_bytes()
+        changed = case.raw(data)
+        assert changed != data
+        spec.write_bytes(changed)
+    return spec, text
+
+
+def line_of(text: str, marker: str) -> int:
+    """The first line whose TOML (not its comment) contains marker."""
+    return next(number for number, line in enumerate(text.splitlines(), start=1) if marker in line.split("#")[0])
+
+
+def facts_for(case: Case) -> MachineFacts:
+    return case.facts or EXAMPLE_FACTS[case.base]
+
+
+def the_problem(problems: list[Problem], case: Case) -> Problem:
+    found = [p for p in problems if p.severity is case.severity and p.field == case.field]
+    assert found, f"no {case.severity} on {case.field}:\n{report(problems)}"
+    matching = [p for p in found if case.message in p.message]
+    assert matching, f"{case.field}: no message with {case.message!r}:\n{report(found)}"
+    return matching[0]
+
+
+def check_located(problem: Problem, case: Case, spec: Path, text: str) -> None:
+    assert problem.file == spec
+    assert case.fix in problem.fix
+    if case.at is not None:
+        assert problem.line is not None, problem.render()
+        assert problem.line == line_of(text, case.at), f"{problem.render()}\nexpected the line with {case.at!r}"
+    rendered = problem.render()
+    assert rendered.startswith(f"{spec}:{problem.line}: " if problem.line else f"{spec}: ")
+    assert f": {case.severity.value}: {case.field}: " in rendered
+
+
+def test_the_tables_are_what_they_claim() -> None:
+    ids = [c.id for c in BAD + WARNINGS]
+    assert len(set(ids)) == len(ids)
+    assert len(BAD) >= 35
+    assert all(c.severity is Severity.ERROR for c in BAD)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLE_FACTS))
+def test_every_base_is_valid(example: Callable[..., Path], name: str) -> None:
+    validate(example(name), facts=EXAMPLE_FACTS[name])
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c.id for c in BAD])
+def test_bad_spec_is_refused(
+    case: Case,
+    example: Callable[..., Path],
+    bad_files: Path,
+    fixture_models: Path,
+    smollm2: Path,
+    gemma3: Path,
+) -> None:
+    spec, text = written(case, example, bad_files, fixture_models, smollm2, gemma3)
+    with pytest.raises(SpecInvalid) as caught:
+        validate(spec, facts=facts_for(case))
+    invalid = caught.value
+    problem = the_problem(invalid.problems, case)
+    check_located(problem, case, spec, text)
+    assert len(invalid.errors) == case.errors, report(invalid.problems)
+    assert all(p.file == spec for p in invalid.problems)
+    assert problem.render() in str(invalid)
+
+
+@pytest.mark.parametrize("case", WARNINGS, ids=[c.id for c in WARNINGS])
+def test_warning_leaves_the_spec_valid(
+    case: Case,
+    example: Callable[..., Path],
+    bad_files: Path,
+    fixture_models: Path,
+    smollm2: Path,
+    gemma3: Path,
+) -> None:
+    spec, text = written(case, example, bad_files, fixture_models, smollm2, gemma3)
+    result = validate(spec, facts=facts_for(case))
+    case = dataclasses.replace(case, severity=Severity.WARNING)
+    warning = the_problem(result.warnings, case)
+    check_located(warning, case, spec, text)
+    assert len(result.warnings) == 1, report(result.warnings)
+
+
+def test_syntax_error_line_is_the_broken_line(example: Callable[..., Path]) -> None:
+    spec = example("appliance.toml")
+    lines = spec.read_text().splitlines()
+    for number in (1, 5, len(lines)):
+        broken = [*lines]
+        broken[number - 1] = "= no key here"
+        spec.write_text("\n".join(broken) + "\n")
+        with pytest.raises(SpecInvalid) as caught:
+            validate(spec, facts=EXAMPLE_FACTS["appliance.toml"])
+        (problem,) = caught.value.problems
+        assert (problem.field, problem.line) == ("(syntax)", number)
+
+
+def test_missing_spec_file(tmp_path: Path) -> None:
+    with pytest.raises(SpecInvalid) as caught:
+        validate(tmp_path / "nope.toml", facts=gpu_facts())
+    (problem,) = caught.value.problems
+    assert (problem.field, problem.message, problem.file) == ("(file)", "no such file", tmp_path / "nope.toml")
+
+
+def test_every_error_is_reported_at_once(example: Callable[..., Path]) -> None:
+    spec = example(
+        "appliance.toml",
+        replace={"port = 8080": "port = 0", "n_max = 6 ": "n_maxx = 6 ", 'egress = "deny"': 'egress = "block"'},
+    )
+    with pytest.raises(SpecInvalid) as caught:
+        validate(spec, facts=EXAMPLE_FACTS["appliance.toml"])
+    assert sorted(p.field for p in caught.value.errors) == ["network.egress", "server.port", "speculative.n_maxx"]
+
+
+def test_over_budget_suggests_a_context_that_fits(example: Callable[..., Path]) -> None:
+    f16 = {TARGET_CACHE: TARGET_CACHE.replace("q8_0", "f16"), DRAFT_CACHE: DRAFT_CACHE.replace("q8_0", "f16")}
+    facts = EXAMPLE_FACTS["appliance.toml"]
+    with pytest.raises(SpecInvalid) as caught:
+        validate(example("appliance.toml", replace=f16), facts=facts)
+    (problem,) = caught.value.errors
+    match = re.search(r"server\.ctx_size = (\d+) or less", problem.fix)
+    assert match, problem.fix
+    fitting = int(match.group(1))
+    assert 256 <= fitting < 32768 and fitting % 256 == 0
+    # The suggestion fits, and one KV cell block more would not.
+    validate(example("appliance.toml", replace={**f16, "ctx_size = 32768": f"ctx_size = {fitting}"}), facts=facts)
+    with pytest.raises(SpecInvalid, match="over budget by"):
+        validate(
+            example("appliance.toml", replace={**f16, "ctx_size = 32768": f"ctx_size = {fitting + 256}"}),
+            facts=facts,
+        )

@@ -1,0 +1,255 @@
+"""Flag dialects: read from the real llama-server, from a recorded older one, and the argv written in each."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from appliance.dialect import Dialect, builtin_dialect, parse_help, read_binary_dialect
+from appliance.load import load_spec
+from appliance.plan import build_argv
+from appliance.problems import Severity
+from appliance.validate import validate
+
+OLDER_HELP = Path(__file__).parent / "data" / "llama-server-older.help.txt"
+BINARY = "/opt/llm-appliance/engine/bin/llama-server"
+
+
+@pytest.fixture(scope="module")
+def real_dialect(engine_binary: Path) -> Dialect:
+    return read_binary_dialect(engine_binary)
+
+
+@pytest.fixture(scope="module")
+def older_dialect() -> Dialect:
+    return parse_help(OLDER_HELP.read_text(), "llama-server (early 2025)")
+
+
+# --- the real binary ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--spec-draft-n-max",
+        "--spec-type",
+        "--spec-draft-model",
+        "-md",
+        "--load-mode",
+        "--fit",
+        "--offline",
+        "--metrics",
+    ],
+)
+def test_real_binary_accepts(real_dialect: Dialect, flag: str) -> None:
+    assert real_dialect.accepts(flag)
+
+
+# Listed in --help with "the argument has been removed", or gone from it: passing them aborts the start.
+@pytest.mark.parametrize("flag", ["--draft-max", "--draft-min", "--draft", "--draft-n", "--mlock", "--no-mmap"])
+def test_real_binary_refuses_removed_flags(real_dialect: Dialect, flag: str) -> None:
+    assert not real_dialect.accepts(flag)
+
+
+def test_removed_flags_are_listed_by_the_real_binary(engine_binary: Path) -> None:
+    """The exclusion above is the parser's doing: the binary still prints --draft-max, to explain it is gone."""
+    result = subprocess.run([str(engine_binary), "--help"], capture_output=True, text=True, timeout=20, check=False)
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("--draft, ")]
+    assert len(lines) == 1 and "--draft-max" in lines[0]
+    assert "the argument has been removed" in lines[0]
+
+
+def test_real_binary_matches_the_builtin_dialect(real_dialect: Dialect) -> None:
+    builtin = builtin_dialect()
+    assert real_dialect.flags == builtin.flags, (
+        f"only in the binary: {sorted(real_dialect.flags - builtin.flags)}; "
+        f"only in appliance/dialects/: {sorted(builtin.flags - real_dialect.flags)}"
+    )
+    assert len(builtin.flags) > 300
+
+
+def test_help_parser_columns() -> None:
+    text = "\n".join(
+        [
+            "----- common params -----",
+            "-lm,   --load-mode MODE                 model loading mode (default: auto)",
+            "                                        - mmap: memory-map model (--not-a-flag here)",
+            "--spec-draft-model, -md, --model-draft FNAME",
+            "                                        draft model",
+            "--draft, --draft-n, --draft-max N       the argument has been removed. use --spec-draft-n-max",
+            "-fa,   --flash-attn [on|off|auto]       set Flash Attention use",
+        ]
+    )
+    dialect = parse_help(text, "test")
+    assert dialect.flags == {"-lm", "--load-mode", "--spec-draft-model", "-md", "--model-draft", "-fa", "--flash-attn"}
+
+
+# --- an older binary ---------------------------------------------------------------------------------------
+
+
+def test_older_help_file_is_the_older_dialect(older_dialect: Dialect) -> None:
+    assert not OLDER_HELP.read_text().startswith("-")  # its first line says what it is
+    for flag in ["--draft-max", "--draft-min", "--draft-p-min", "-md", "--model-draft", "-ngld", "-devd"]:
+        assert older_dialect.accepts(flag), flag
+    for flag in ["--mlock", "--no-mmap", "-fa", "--metrics", "--slots", "--api-key-file", "-ngl", "-dev"]:
+        assert older_dialect.accepts(flag), flag
+    for flag in ["--spec-type", "--spec-draft-n-max", "--load-mode", "--fit", "--offline", "-ctkd", "-ctvd"]:
+        assert not older_dialect.accepts(flag), flag
+
+
+def _demo_argv(example: Callable[..., Path], dialect: Dialect, **replace: str) -> tuple[list[str], list[str]]:
+    spec = load_spec(example("demo.toml", replace or None)).spec
+    argv, problems = build_argv(spec, dialect, BINARY, draft_in_use=True)
+    return list(argv), [f"{p.severity.value} {p.field}: {p.message}" for p in problems]
+
+
+def _value(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, f"{flag} appears {argv.count(flag)} times in {argv}"
+    return argv[argv.index(flag) + 1]
+
+
+def test_demo_argv_in_the_older_dialect(example: Callable[..., Path], older_dialect: Dialect) -> None:
+    argv, problems = _demo_argv(example, older_dialect)
+    assert problems == []
+    assert _value(argv, "--draft-max") == "8"
+    assert _value(argv, "--draft-min") == "0"
+    assert _value(argv, "--draft-p-min") == "0"
+    assert _value(argv, "--model-draft").endswith("/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert _value(argv, "--n-gpu-layers-draft") == "0"
+    assert _value(argv, "--device-draft") == "none"
+    for flag in ["--spec-type", "--fit", "--offline", "--load-mode", "--spec-draft-n-max", "--spec-draft-model"]:
+        assert flag not in argv, flag
+    # load_mode mmap is the older binaries' default: no switch at all.
+    assert "--mlock" not in argv and "--no-mmap" not in argv
+    # The draft's cache is f16, which is all binaries of that era could give it: no -ctkd/-ctvd needed.
+    assert not any(arg in argv for arg in ("-ctkd", "-ctvd", "--cache-type-k-draft", "--spec-draft-type-k"))
+    assert argv[0] == BINARY
+
+
+def test_demo_argv_in_the_current_dialect(example: Callable[..., Path], real_dialect: Dialect) -> None:
+    argv, problems = _demo_argv(example, real_dialect)
+    assert problems == []
+    assert _value(argv, "--spec-type") == "draft-simple"
+    assert _value(argv, "--spec-draft-n-max") == "8"
+    assert _value(argv, "--spec-draft-n-min") == "0"
+    assert _value(argv, "--fit") == "off"
+    assert _value(argv, "--load-mode") == "mmap"
+    assert _value(argv, "--spec-draft-model").endswith("/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert "--offline" in argv
+    for flag in ["--draft-max", "--draft-min", "--model-draft", "-md", "--mlock", "--no-mmap"]:
+        assert flag not in argv, flag
+
+
+@pytest.mark.parametrize(
+    ("load_mode", "switch"), [("mlock", "--mlock"), ("mmap+mlock", "--mlock"), ("none", "--no-mmap")]
+)
+def test_load_mode_in_the_older_dialect(
+    example: Callable[..., Path], older_dialect: Dialect, load_mode: str, switch: str
+) -> None:
+    argv, problems = _demo_argv(example, older_dialect, **{'flash_attn = "auto"': f'load_mode = "{load_mode}"'})
+    assert problems == []
+    assert switch in argv and "--load-mode" not in argv
+
+
+def test_quantized_draft_cache_needs_ctkd(example: Callable[..., Path], older_dialect: Dialect) -> None:
+    replace = {"gpu_layers = 0\n\n[speculative]": 'gpu_layers = 0\ncache_type_k = "q8_0"\n\n[speculative]'}
+    _, problems = _demo_argv(example, older_dialect, **replace)
+    assert problems == [
+        "error models.draft.cache_type_k: llama-server (early 2025) accepts none of "
+        "--spec-draft-type-k, --cache-type-k-draft, -ctkd"
+    ]
+
+
+def test_dialect_without_a_draft_model_flag(example: Callable[..., Path], older_dialect: Dialect) -> None:
+    crippled = Dialect(older_dialect.flags - {"-md", "--model-draft"}, "a draftless llama-server")
+    spec = load_spec(example("demo.toml")).spec
+    _, problems = build_argv(spec, crippled, BINARY, draft_in_use=True)
+    errors = [p for p in problems if p.severity is Severity.ERROR]
+    assert [p.field for p in errors] == ["models.draft.path"]
+    assert errors[0].message == "a draftless llama-server accepts none of --spec-draft-model, --model-draft, -md"
+    assert "engine install" in errors[0].fix
+
+
+def test_eagle3_needs_spec_type(example: Callable[..., Path], older_dialect: Dialect) -> None:
+    spec = load_spec(example("demo.toml", {'type = "draft-simple"': 'type = "draft-eagle3"'})).spec
+    assert spec.speculative.type == "draft-eagle3"
+    _, problems = build_argv(spec, older_dialect, BINARY, draft_in_use=True)
+    errors = [p for p in problems if p.severity is Severity.ERROR]
+    assert [p.field for p in errors] == ["speculative.type"]
+    assert "--spec-type" in errors[0].message
+
+
+def test_removed_flag_in_extra_args_in_each_dialect(
+    example: Callable[..., Path], older_dialect: Dialect, real_dialect: Dialect
+) -> None:
+    replace = {"threads = 2": 'threads = 2\nextra_args = ["--mlock"]'}
+    _, current = _demo_argv(example, real_dialect, **replace)
+    assert current == [
+        "error server.extra_args[0]: --mlock was removed from llama-server",
+    ]
+    _, older = _demo_argv(example, older_dialect, **replace)
+    assert older == []
+
+
+# --- the planned argv, run for real ------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0
+
+
+@pytest.mark.engine
+def test_planned_argv_drafts_for_real(example: Callable[..., Path], engine_binary: Path, tmp_path: Path) -> None:
+    result = validate(example("demo.toml"))  # the real machine: the real binary's dialect
+    argv = list(result.plan.argv)
+    assert argv[0] == str(engine_binary)
+    port = _free_port()
+    argv[argv.index("--port") + 1] = str(port)
+    assert _value(argv, "--host") == "127.0.0.1"
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "llama-server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while _get(f"{base}/health") != 200:
+            assert server.poll() is None, f"llama-server exited {server.returncode}:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no /health 200 within 60 s:\n{log.read_text()[-3000:]}"
+            time.sleep(0.25)
+        body = json.dumps({"prompt": "def add(a, b):", "n_predict": 32, "temperature": 0}).encode()
+        request = urllib.request.Request(
+            f"{base}/completion", data=body, headers={"Content-Type": "application/json"}, method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.load(response)
+        timings = answer["timings"]
+        assert timings["predicted_n"] == 32
+        assert timings["draft_n"] > 0, f"the draft never drafted: {timings}\n{log.read_text()[-3000:]}"
+        assert 0 < timings["draft_n_accepted"] <= timings["draft_n"]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=10)

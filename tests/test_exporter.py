@@ -1,0 +1,147 @@
+"""The health daemon's Prometheus exposition: series that exist before anything happens, names that
+follow Prometheus conventions, and HELP/TYPE lines compared with a golden file."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from health.exporter import PREFIX, PROBES, RESTART_REASONS, Metrics
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).parent / "golden" / "exporter-help.txt"
+# prometheus_client adds a `<name>_created` gauge beside each counter unless told not to
+# (PROMETHEUS_DISABLE_CREATED_SERIES); that is the library's, not ours, and left out of the golden.
+CREATED = re.compile(r"^# (HELP|TYPE) \S+_created ")
+
+
+def exposition() -> str:
+    return generate_latest(Metrics(CollectorRegistry()).registry).decode()
+
+
+def families() -> dict[str, str]:
+    """Family name as exposed (counters with _total, info with _info) -> type."""
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", exposition(), re.MULTILINE))
+    return {name: kind for name, kind in types.items() if not (name.endswith("_created") and kind == "gauge")}
+
+
+def sample_value(text: str, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
+
+
+@pytest.mark.parametrize("reason", RESTART_REASONS)
+def test_restart_counters_exist_at_zero(reason: str) -> None:
+    text = exposition()
+    assert f'{PREFIX}_restarts_total{{reason="{reason}"}} 0.0' in text
+    assert sample_value(text, f"{PREFIX}_restarts_total", reason=reason) == 0.0
+
+
+@pytest.mark.parametrize("probe", PROBES)
+def test_probe_error_counters_exist_at_zero(probe: str) -> None:
+    text = exposition()
+    assert f'{PREFIX}_probe_errors_total{{probe="{probe}"}} 0.0' in text
+
+
+def test_every_reason_and_probe_the_code_uses_is_created_at_start() -> None:
+    # An alert on increase(...[6h]) needs its series before the first increment.
+    code = "\n".join(
+        (REPO / path).read_text() for path in ("health/daemon.py", "health/service.py", "appliance/cli.py")
+    )
+    probes = set(re.findall(r'probe_errors\.labels\("(\w+)"\)', code))
+    assert probes and probes <= set(PROBES), probes - set(PROBES)
+    reasons = set(re.findall(r'seen\.reason or "(\w+)"', code))
+    for choices in re.findall(r'"--reason".*choices=\[([^\]]*)\]', code):  # what the timer and an admin pass
+        reasons |= set(re.findall(r'"(\w+)"', choices))
+    assert {"scheduled", "manual"} <= reasons
+    assert {"decay", "creep", "headroom", "hang", "not_on_gpu"} <= reasons
+    assert reasons <= set(RESTART_REASONS), reasons - set(RESTART_REASONS)
+
+
+def test_only_labelled_series_without_children_are_empty() -> None:
+    text = exposition()
+    expected_empty = {
+        f"{PREFIX}_decode_tokens_per_second",
+        f"{PREFIX}_decode_baseline_tokens_per_second",
+        f"{PREFIX}_decode_decay_breaches",
+        f"{PREFIX}_gpu_memory_total_bytes",
+        f"{PREFIX}_gpu_memory_used_bytes",
+        f"{PREFIX}_gpu_memory_free_bytes",
+        f"{PREFIX}_gpu_xid_errors",
+    }
+    empty = {family.name for family in text_string_to_metric_families(text) if not family.samples}
+    assert empty == expected_empty
+
+
+def test_all_names_carry_the_prefix_and_are_snake_case() -> None:
+    for name in families():
+        assert re.fullmatch(rf"{PREFIX}_[a-z][a-z0-9_]*[a-z0-9]", name), name
+        assert "__" not in name, name
+
+
+def test_counters_end_in_total_and_nothing_else_does() -> None:
+    found = families()
+    for name, kind in found.items():
+        if kind == "counter":
+            assert name.endswith("_total") and not name.endswith("_total_total"), name
+        else:
+            assert not name.endswith("_total"), f"{name} is a {kind} named like a counter"
+    assert len([k for k in found.values() if k == "counter"]) == 5
+
+
+def test_units_are_base_units_in_the_name() -> None:
+    for name, kind in families().items():
+        if kind != "gauge":
+            continue
+        stem = name.removeprefix(f"{PREFIX}_")
+        if "memory" in stem or "vram" in stem:
+            assert stem.endswith(("_bytes", "_ratio")), name
+        if "duration" in stem or "timestamp" in stem:
+            assert stem.endswith("_seconds"), name
+        if "acceptance" in stem or "creep" in stem:
+            assert stem.endswith("_ratio"), name
+        # Base units only: bytes not MiB, seconds not milliseconds.
+        assert not re.search(r"_(kib|mib|gib|kb|mb|gb|ms|milliseconds|minutes|hours|percent)(_|$)", stem), name
+
+
+def test_the_info_metric_is_exposed_as_info() -> None:
+    assert families()[f"{PREFIX}_version_info"] == "gauge"
+
+
+def test_the_names_the_alert_rules_use_exist() -> None:
+    rules = (REPO / "templates" / "alerts.rules.yml.j2").read_text()
+    used = set(re.findall(rf"\b{PREFIX}_[a-z0-9_]+", rules))
+    assert used
+    assert used <= set(families()), used - set(families())
+
+
+def test_two_registries_do_not_collide() -> None:
+    first, second = Metrics(CollectorRegistry()), Metrics(CollectorRegistry())
+    first.restarts.labels("decay").inc()
+    assert first.registry.get_sample_value(f"{PREFIX}_restarts_total", {"reason": "decay"}) == 1
+    assert second.registry.get_sample_value(f"{PREFIX}_restarts_total", {"reason": "decay"}) == 0
+
+
+def help_and_type_lines() -> str:
+    lines = [
+        line
+        for line in exposition().splitlines()
+        if line.startswith(("# HELP ", "# TYPE ")) and not CREATED.match(line)
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_help_and_type_lines_match_the_golden() -> None:
+    text = help_and_type_lines()
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), f"{GOLDEN.name} differs; UPDATE_GOLDEN=1 rewrites it after review"

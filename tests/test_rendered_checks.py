@@ -1,0 +1,266 @@
+"""The rendered files pass the real tools' own checks: systemd-analyze, nft, promtool."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLE_FACTS
+
+from appliance import paths
+from appliance.apply import installed_spec_path
+from appliance.render import render
+from appliance.validate import validate
+
+pytestmark = pytest.mark.system
+
+UNITS = [paths.SERVER_UNIT, paths.HEALTH_UNIT, paths.RESTART_UNIT, paths.RESTART_TIMER]
+NFT = "etc/llm-appliance/rendered/llm-appliance.nft"
+RULES = "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml"
+SCRAPE = "etc/llm-appliance/rendered/prometheus/scrape.yml"
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin")
+    if found is None:
+        pytest.fail(f"{name} is not installed (.ci/run installs it)")
+    return found
+
+
+@pytest.fixture(scope="session")
+def service_user() -> str:
+    """nft resolves `meta skuid "llm-appliance"` at load time: the system user must exist."""
+    if subprocess.run(["id", paths.SERVICE_USER], capture_output=True, check=False).returncode != 0:
+        subprocess.run(
+            [
+                _tool("useradd"),
+                "--system",
+                "--no-create-home",
+                "--shell",
+                "/usr/sbin/nologin",
+                paths.SERVICE_USER,
+            ],
+            check=True,
+            capture_output=True,
+        )
+    return paths.SERVICE_USER
+
+
+def _render(spec: Path, name: str) -> dict[str, str]:
+    result = validate(spec, facts=EXAMPLE_FACTS[name])
+    return render(result.plan, installed_spec_path(spec))
+
+
+def _write(files: dict[str, str], root: Path) -> Path:
+    for relative, text in files.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(text)
+    return root
+
+
+@pytest.fixture(params=sorted(EXAMPLE_FACTS))
+def rendered_root(request: pytest.FixtureRequest, example: Callable[..., Path], tmp_path: Path) -> Path:
+    name = request.param
+    return _write(_render(example(name), name), tmp_path / "root")
+
+
+def _run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd=cwd)
+
+
+# --- every example -----------------------------------------------------------------------------------------
+
+
+def test_units_pass_systemd_analyze_verify(rendered_root: Path, tmp_path: Path) -> None:
+    if not paths.CLI.exists():
+        pytest.fail(f"{paths.CLI} is missing: the units' ExecStart points at it (.ci/run installs it)")
+    units = tmp_path / "units"
+    units.mkdir()
+    for unit in UNITS:
+        shutil.copy(rendered_root / "etc/systemd/system" / unit, units / unit)
+    result = _run([_tool("systemd-analyze"), "verify", *(str(units / unit) for unit in UNITS)], cwd=units)
+    output = result.stdout + result.stderr
+    # Unknown keys and unparsable values are warnings with exit 0: they only show in the output.
+    complaints = [line for line in output.splitlines() if any(unit in line for unit in UNITS)]
+    assert result.returncode == 0, output
+    assert complaints == [], output
+
+
+def test_ruleset_passes_nft_check(rendered_root: Path, service_user: str) -> None:
+    result = _run([_tool("nft"), "-c", "-f", str(rendered_root / NFT)])
+    assert result.returncode == 0, result.stderr
+
+
+def test_rules_pass_promtool(rendered_root: Path) -> None:
+    result = _run([_tool("promtool"), "check", "rules", str(rendered_root / RULES)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = re.search(r"SUCCESS: (\d+) rules found", result.stdout)
+    assert found, result.stdout
+    assert int(found.group(1)) >= 9
+
+
+def _prometheus_config(root: Path) -> Path:
+    snippet = (root / SCRAPE).read_text()
+    indented = "".join(f"  {line}" if line.strip() else line for line in snippet.splitlines(keepends=True))
+    config = root / "prometheus.yml"
+    config.write_text(f"global:\n  scrape_interval: 15s\nrule_files:\n  - {root / RULES}\nscrape_configs:\n{indented}")
+    return config
+
+
+def test_scrape_snippet_in_a_prometheus_config(rendered_root: Path) -> None:
+    config = _prometheus_config(rendered_root)
+    result = _run([_tool("promtool"), "check", "config", str(config)])
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "SUCCESS" in output and re.search(r"SUCCESS: \d+ rules found", output), output
+
+
+# --- the sandbox follows the plan's devices ----------------------------------------------------------------
+
+
+def _service_settings(unit_text: str) -> dict[str, list[str]]:
+    settings: dict[str, list[str]] = {}
+    section = ""
+    for line in unit_text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            section = line
+        elif section == "[Service]":
+            key, _, value = line.partition("=")
+            settings.setdefault(key, []).append(value)
+    return settings
+
+
+def _server_unit(example: Callable[..., Path], name: str) -> dict[str, list[str]]:
+    return _service_settings(_render(example(name), name)[f"etc/systemd/system/{paths.SERVER_UNIT}"])
+
+
+def test_cpu_demo_has_no_devices(example: Callable[..., Path]) -> None:
+    unit = _server_unit(example, "demo.toml")
+    assert unit["PrivateDevices"] == ["yes"]
+    assert "DeviceAllow" not in unit
+    assert "DevicePolicy" not in unit
+    assert unit["MemoryDenyWriteExecute"] == ["yes"]
+
+
+def test_gpu_example_opens_its_gpu_only(example: Callable[..., Path]) -> None:
+    unit = _server_unit(example, "appliance.toml")
+    assert unit["PrivateDevices"] == ["no"]
+    assert unit["DevicePolicy"] == ["closed"]
+    assert unit["DeviceAllow"] == [
+        "/dev/nvidia0 rw",
+        "/dev/nvidiactl rw",
+        "/dev/nvidia-uvm rw",
+        "/dev/nvidia-uvm-tools rw",
+    ]
+    assert "MemoryDenyWriteExecute" not in unit  # CUDA JIT needs W+X pages
+
+
+def test_dual_gpu_example_opens_both_gpus(example: Callable[..., Path]) -> None:
+    unit = _server_unit(example, "dual-gpu.toml")
+    assert unit["DevicePolicy"] == ["closed"]
+    assert {"/dev/nvidia0 rw", "/dev/nvidia1 rw"} <= set(unit["DeviceAllow"])
+    assert not any(re.fullmatch(r"/dev/nvidia[2-9]\d* rw", allowed) for allowed in unit["DeviceAllow"])
+
+
+# --- the firewall follows network.allow and network.egress -------------------------------------------------
+
+
+def _set_elements(ruleset: str, name: str) -> list[str]:
+    block = re.search(rf"set {name} \{{(.*?)\n\t\}}", ruleset, re.S)
+    assert block, f"no set {name} in\n{ruleset}"
+    elements = re.search(r"elements = \{ (.*) \}", block.group(1))
+    return elements.group(1).split(", ") if elements else []
+
+
+@pytest.fixture
+def lan_spec(example: Callable[..., Path], tmp_path: Path) -> Callable[..., Path]:
+    keys = tmp_path / "api-keys"
+    keys.write_text("a-key\n")
+
+    def make(**extra: str) -> Path:
+        return example(
+            "demo.toml",
+            {
+                'host = "127.0.0.1"': f'host = "0.0.0.0"\napi_key_file = "{keys}"',
+                'allow = ["127.0.0.0/8", "::1/128"]': 'allow = ["192.168.7.0/24", "fd00::/8"]',
+                **extra,
+            },
+        )
+
+    return make
+
+
+def test_allowed_networks_land_in_their_sets(lan_spec: Callable[..., Path], service_user: str) -> None:
+    ruleset = _render(lan_spec(), "demo.toml")[NFT]
+    assert _set_elements(ruleset, "api_clients_v4") == ["192.168.7.0/24"]
+    assert _set_elements(ruleset, "api_clients_v6") == ["fd00::/8"]
+    assert "chain output" in ruleset
+    assert 'meta skuid "llm-appliance" counter drop' in ruleset
+
+
+def test_loopback_example_sets(example: Callable[..., Path]) -> None:
+    ruleset = _render(example("appliance.toml"), "appliance.toml")[NFT]
+    assert _set_elements(ruleset, "api_clients_v4") == ["127.0.0.0/8"]
+    assert _set_elements(ruleset, "api_clients_v6") == ["::1/128"]
+
+
+def test_egress_allow_has_no_output_chain(lan_spec: Callable[..., Path], service_user: str, tmp_path: Path) -> None:
+    files = _render(lan_spec(**{'egress = "deny"': 'egress = "allow"'}), "demo.toml")
+    ruleset = files[NFT]
+    assert "chain output" not in ruleset
+    assert "skuid" not in ruleset
+    assert "chain input" in ruleset
+    path = tmp_path / "egress-allow.nft"
+    path.write_text(ruleset)
+    result = _run([_tool("nft"), "-c", "-f", str(path)])
+    assert result.returncode == 0, result.stderr
+
+
+def _load_in_netns(ruleset: Path) -> dict[str, object]:
+    """Load the ruleset for real, in a fresh network namespace, and read it back as nft's JSON."""
+    if _run(["unshare", "--net", "true"]).returncode != 0:
+        pytest.skip("cannot create a network namespace here")
+    result = _run(["unshare", "--net", "sh", "-c", f"nft -f {ruleset} && nft -j list table inet {paths.NFT_TABLE}"])
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)  # type: ignore[no-any-return]
+
+
+def test_lan_ruleset_loads_and_reads_back(lan_spec: Callable[..., Path], service_user: str, tmp_path: Path) -> None:
+    files = _render(lan_spec(), "demo.toml")
+    path = tmp_path / "lan.nft"
+    path.write_text(files[NFT])
+    listed = _load_in_netns(path)["nftables"]
+    assert isinstance(listed, list)
+    sets = {item["set"]["name"]: item["set"] for item in listed if "set" in item}
+    assert sets["api_clients_v4"]["elem"] == [{"prefix": {"addr": "192.168.7.0", "len": 24}}]
+    assert sets["api_clients_v6"]["elem"] == [{"prefix": {"addr": "fd00::", "len": 8}}]
+    chains = {item["chain"]["name"]: item["chain"] for item in listed if "chain" in item}
+    assert set(chains) == {"input", "output"}
+    assert (chains["input"]["hook"], chains["input"]["policy"]) == ("input", "accept")
+    # The server and exporter ports are the ones dropped for other clients.
+    drops = [
+        item["rule"]
+        for item in listed
+        if "rule" in item and item["rule"]["chain"] == "input" and any("drop" in e for e in item["rule"]["expr"])
+    ]
+    assert len(drops) == 1
+    assert {"set": [8080, 9478]} in [e["match"]["right"] for e in drops[0]["expr"] if "match" in e]
+
+
+def test_lan_spec_scrape_uses_the_api_key(lan_spec: Callable[..., Path], tmp_path: Path) -> None:
+    files = _render(lan_spec(), "demo.toml")
+    root = _write(files, tmp_path / "root")
+    scrape = files[SCRAPE]
+    assert f"credentials_file: {tmp_path / 'api-keys'}" in scrape
+    # 0.0.0.0 is scraped over loopback.
+    assert '"127.0.0.1:8080"' in scrape
+    result = _run([_tool("promtool"), "check", "config", str(_prometheus_config(root))])
+    assert result.returncode == 0, result.stdout + result.stderr
