@@ -17,6 +17,7 @@ from appliance import __version__, engine, models, paths
 from appliance.apply import ApplyError, changes, installed_spec_path, reload_system, write
 from appliance.dialect import builtin_dialect, read_binary_dialect
 from appliance.launch import Launcher, LaunchPlan
+from appliance.load import load_spec
 from appliance.plan import lines
 from appliance.problems import SpecInvalid, report
 from appliance.render import launch_document, render
@@ -125,7 +126,11 @@ def spec_schema() -> dict[str, object]:
 
 
 def cmd_engine_install(args: argparse.Namespace) -> int:
-    manifest = engine.install(dest=args.dest, binary=args.binary, jobs=args.jobs)
+    binary = args.binary
+    if binary is None and args.spec is not None:
+        named = load_spec(args.spec).spec.server.binary
+        binary = named if named != str(paths.ENGINE_DIR / "bin" / "llama-server") else None
+    manifest = engine.install(dest=args.dest, binary=binary, jobs=args.jobs)
     print(manifest.binary)
     return EXIT_OK
 
@@ -234,6 +239,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_engine_install)
     p.add_argument("--dest", type=Path, default=paths.ENGINE_DIR)
     p.add_argument("--binary", help="use this llama-server instead of building one")
+    p.add_argument("--spec", type=Path, help="use the spec's server.binary when it names one")
     p.add_argument("--jobs", type=int, help="parallel build jobs (default: all cores)")
     p = engine_parser.add_parser("info", help="print the engine manifest and the flag dialect of its binary")
     p.set_defaults(handler=cmd_engine_info)

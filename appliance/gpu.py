@@ -6,6 +6,7 @@ tests pass a fake with the same methods; the library-not-found path of the real 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -57,6 +58,7 @@ class Pynvml:
     def __init__(self) -> None:
         self._lib: Any = None
         self._xids: dict[int, int] = {}
+        self._events: Any = None
 
     def _nvml(self) -> Any:
         if self._lib is None:
@@ -107,5 +109,21 @@ class Pynvml:
         return [GpuProcess(int(p.pid), int(p.usedGpuMemory or 0)) for p in running]
 
     def xid_errors(self, index: int) -> int:
-        # XID events are delivered through an event set; the health daemon drains it (issue 4).
+        """Critical XID errors seen on this GPU since the first call: NVML delivers them as events,
+        which are drained here without waiting."""
+        nvml = self._nvml()
+        if self._events is None:
+            self._events = self._call(nvml, nvml.nvmlEventSetCreate)
+            for device in range(self._call(nvml, nvml.nvmlDeviceGetCount)):
+                handle = self._call(nvml, nvml.nvmlDeviceGetHandleByIndex, device)
+                # Some GPUs (and vGPUs) do not report XID events; they stay at 0.
+                with contextlib.suppress(nvml.NVMLError):
+                    nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, self._events)
+        while True:
+            try:
+                event = nvml.nvmlEventSetWait_v2(self._events, 0)
+            except nvml.NVMLError:  # NVML_ERROR_TIMEOUT: nothing pending
+                break
+            handle_index = self._call(nvml, nvml.nvmlDeviceGetIndex, event.device)
+            self._xids[handle_index] = self._xids.get(handle_index, 0) + 1
         return self._xids.get(index, 0)

@@ -162,6 +162,7 @@ class HealthDaemon:
         return seen
 
     def _probe_server(self, seen: Observation) -> None:
+        self.metrics.unit_active.set(1 if self._unit_active() else 0)
         try:
             seen.up = self.api.health() == 200
             self.hung_checks = 0
@@ -292,7 +293,11 @@ class HealthDaemon:
             self.metrics.gpu_free.labels(gpu.device).set(gpu.free_bytes)
             # Only the server's GPUs: another workload filling another GPU is no reason to restart it.
             low = low or (gpu.device in server_devices and gpu.free_bytes < min_free)
-            errors = self.nvml.xid_errors(gpu.index)
+            try:
+                errors = self.nvml.xid_errors(gpu.index)
+            except NvmlUnavailable:
+                self.metrics.probe_errors.labels("nvml").inc()
+                errors = 0
             if errors > self.xids_seen.get(gpu.index, 0):
                 self.metrics.xid_errors.labels(gpu.device).inc(errors - self.xids_seen.get(gpu.index, 0))
                 self.xids_seen[gpu.index] = errors

@@ -25,6 +25,7 @@ class Metrics:
             return Counter(f"{PREFIX}_{name}", doc, labels, registry=r)
 
         self.server_up = gauge("server_up", "1 when llama-server answers /health with 200")
+        self.unit_active = gauge("server_unit_active", "1 when the server unit (or the launcher of `up`) is active")
         self.requests_processing = gauge("requests_processing", "Requests llama-server is processing")
         self.decode_tps = gauge(
             "decode_tokens_per_second", "Median decode rate of recent windows, by context bucket", ("bucket",)

@@ -48,7 +48,8 @@ def test_every_call_tries_again() -> None:
         with pytest.raises(NvmlUnavailable):
             nvml.gpus()
     assert nvml._lib is None
-    assert nvml.xid_errors(0) == 0  # no NVML call: nothing seen
+    with pytest.raises(NvmlUnavailable):
+        nvml.xid_errors(0)
 
 
 def test_pynvml_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,12 +175,19 @@ class Process:
         self.pid, self.usedGpuMemory = pid, used
 
 
-def working_module() -> types.ModuleType:
+class Event:
+    def __init__(self, device: Any) -> None:
+        self.device = device
+
+
+def working_module(xids: list[int] | None = None) -> types.ModuleType:
+    """A working NVML; `xids` lists the GPU index of each pending critical XID event."""
+    pending = list(xids or [])
     devices = {
         0: ("NVIDIA GeForce RTX 4090", Memory(24 * GIB, 20 * GIB), [Process(4242, 19 * GIB), Process(77, None)]),
         1: ("NVIDIA GeForce RTX 4090", Memory(24 * GIB, 1 * GIB), []),
     }
-    return fake_module(
+    module = fake_module(
         nvmlDeviceGetCount=lambda: len(devices),
         nvmlDeviceGetHandleByIndex=lambda index: ("handle", index),
         nvmlDeviceGetName=lambda handle: devices[handle[1]][0],
@@ -187,7 +195,19 @@ def working_module() -> types.ModuleType:
         nvmlDeviceGetComputeRunningProcesses=lambda handle: devices[handle[1]][2],
         nvmlSystemGetDriverVersion=lambda: "550.54.14",
         nvmlSystemGetCudaDriverVersion=lambda: 12040,
+        nvmlEventSetCreate=lambda: "event-set",
+        nvmlEventTypeXidCriticalError=8,
+        nvmlDeviceRegisterEvents=lambda handle, kind, events: None,
+        nvmlDeviceGetIndex=lambda handle: handle[1],
     )
+    module.nvmlEventSetWait_v2 = lambda events, timeout_ms: (
+        Event(("handle", pending.pop(0))) if pending else _timeout(module)
+    )  # type: ignore[attr-defined]
+    return module
+
+
+def _timeout(module: types.ModuleType) -> Any:
+    raise module.NVMLError(10)  # NVML_ERROR_TIMEOUT: no event pending
 
 
 def test_a_working_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,6 +223,14 @@ def test_a_working_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     assert nvml.processes(0) == [GpuProcess(4242, 19 * GIB), GpuProcess(77, 0)]
     assert nvml.processes(1) == []
     assert nvml.xid_errors(0) == 0
+
+
+def test_xid_events_are_counted_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, working_module(xids=[1, 1, 0]))
+    nvml = Pynvml()
+    assert nvml.xid_errors(1) == 2  # draining counts every pending event, for every GPU
+    assert nvml.xid_errors(0) == 1
+    assert nvml.xid_errors(1) == 2  # nothing new
 
 
 @pytest.mark.parametrize(("code", "version"), [(12040, "12.4"), (12000, "12.0"), (11080, "11.8"), (12090, "12.9")])
