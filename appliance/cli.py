@@ -16,6 +16,7 @@ from pathlib import Path
 from appliance import __version__, engine, models, paths
 from appliance.apply import ApplyError, changes, installed_spec_path, reload_system, write
 from appliance.dialect import builtin_dialect, read_binary_dialect
+from appliance.install import InstallError
 from appliance.launch import Launcher, LaunchPlan
 from appliance.load import load_spec
 from appliance.plan import lines
@@ -199,6 +200,26 @@ def cmd_restart(args: argparse.Namespace) -> int:
     return restart_when_idle(args.spec, args.reason)
 
 
+def cmd_install(args: argparse.Namespace) -> int:
+    from appliance.install import main_install
+
+    return main_install(args.repo, args.spec, args.demo, args.root, not args.no_start)
+
+
+def cmd_uninstall(args: argparse.Namespace) -> int:
+    from appliance.install import uninstall
+
+    uninstall(args.root, args.purge)
+    return EXIT_OK
+
+
+def cmd_hold_driver(args: argparse.Namespace) -> int:
+    from appliance.install import hold_driver
+
+    hold_driver(hold=args.command == "hold-driver")
+    return EXIT_OK
+
+
 def cmd_models_fetch(args: argparse.Namespace) -> int:
     for name, path in models.fetch(args.dest).items():
         print(f"{name}: {path}")
@@ -265,6 +286,21 @@ def parser() -> argparse.ArgumentParser:
         help="wait until no request is processing (idle_timeout at the latest)",
     )
     p.add_argument("--reason", default="manual", choices=["scheduled", "manual"])
+    p = command(
+        "install", cmd_install, "install the appliance on this machine (install.sh runs this once the venv exists)"
+    )
+    p.add_argument("--repo", type=Path, default=Path.cwd(), help="the checkout whose etc/ holds the shipped specs")
+    p.add_argument("--spec", type=Path, help="the spec to apply (default etc/llm-appliance/appliance.toml)")
+    p.add_argument("--demo", action="store_true", help="the CPU demo spec and its models")
+    p.add_argument("--root", type=Path, default=Path("/"), help="stage into this directory instead of the live system")
+    p.add_argument("--no-start", action="store_true", help="install and enable, but do not start")
+    p = command("uninstall", cmd_uninstall, "remove units, ruleset and engine; keep /etc and /var/lib unless --purge")
+    p.add_argument("--root", type=Path, default=Path("/"))
+    p.add_argument(
+        "--purge", action="store_true", help="also remove /etc/llm-appliance, /var/lib/llm-appliance and the user"
+    )
+    command("hold-driver", cmd_hold_driver, "pin the NVIDIA driver and CUDA packages (apt-mark, unattended-upgrades)")
+    command("release-driver", cmd_hold_driver, "undo hold-driver")
     models_parser = sub.add_parser("models", help="small real models for the demo and tests").add_subparsers(
         dest="models_command", required=True, metavar="ACTION"
     )
@@ -287,6 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID
     except ApplyError as exc:
         print(f"apply: {exc}", file=sys.stderr)
+        return EXIT_APPLY
+    except InstallError as exc:
+        print(f"{args.command}: {exc}", file=sys.stderr)
         return EXIT_APPLY
     except (engine.EngineError, models.ModelFetchError) as exc:
         print(f"{args.command}: {exc}", file=sys.stderr)

@@ -61,7 +61,7 @@ class View:
     launch_json: str
     health_json: str
     scrape_interval: str
-    labels: tuple[tuple[str, str], ...]
+    labels: tuple[tuple[str, str], ...]  # the spec's labels, each value quoted (valid in YAML and in PromQL)
     decay_ratio: float
     creep_ratio: float
     min_free_bytes: int
@@ -69,6 +69,8 @@ class View:
     draft_configured: bool
     max_per_hour: int
     health_interval_seconds: int
+    alert_for: dict[str, str]  # alert (AlertForSeconds field) -> its `for:` as a Prometheus duration
+    label_matchers: str  # the spec's labels as PromQL matchers: `appliance="demo"`
 
 
 def view(plan: Plan, spec_file: Path) -> View:
@@ -105,7 +107,7 @@ def view(plan: Plan, spec_file: Path) -> View:
         launch_json=_json({"generated": header, **launch_document(plan)}),
         health_json=_json({"generated": header, **health_document(plan)}),
         scrape_interval=f"{spec.prometheus.scrape_interval_seconds}s",
-        labels=tuple(sorted(spec.prometheus.labels.items())),
+        labels=tuple((name, _quoted(value)) for name, value in sorted(spec.prometheus.labels.items())),
         decay_ratio=spec.health.decay_ratio,
         creep_ratio=spec.health.creep_ratio,
         min_free_bytes=spec.health.min_free_mib << 20,
@@ -113,7 +115,20 @@ def view(plan: Plan, spec_file: Path) -> View:
         draft_configured=plan.speculation,
         max_per_hour=spec.restart.max_per_hour,
         health_interval_seconds=health_interval,
+        alert_for={name: duration(s) for name, s in spec.prometheus.alert_for_seconds.model_dump().items()},
+        label_matchers=", ".join(f"{name}={_quoted(value)}" for name, value in sorted(spec.prometheus.labels.items())),
     )
+
+
+def _quoted(value: str) -> str:
+    # A JSON string of the text itself (no \u escapes of non-ASCII) is a YAML and a PromQL double-quoted string.
+    return json.dumps(value, ensure_ascii=False)
+
+
+def duration(seconds: int) -> str:
+    """Seconds as a Prometheus duration: 900 -> 15m, 90 -> 1m30s, 0 -> 0s."""
+    parts = [(seconds // 86400, "d"), (seconds % 86400 // 3600, "h"), (seconds % 3600 // 60, "m"), (seconds % 60, "s")]
+    return "".join(f"{n}{unit}" for n, unit in parts if n) or "0s"
 
 
 def launch_document(plan: Plan) -> dict[str, Any]:
@@ -157,6 +172,7 @@ FILES = {
     "etc/llm-appliance/rendered/health.json": "health.json.j2",
     "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml": "alerts.rules.yml.j2",
     "etc/llm-appliance/rendered/prometheus/scrape.yml": "scrape.yml.j2",
+    "etc/polkit-1/rules.d/50-llm-appliance.rules": "polkit.rules.j2",
 }
 
 

@@ -160,11 +160,35 @@ class Versions(Strict):
     on_mismatch: Literal["refuse", "warn"] = "warn"
 
 
+AlertFor = Annotated[int, Field(ge=0, le=604_800)]
+
+
+class AlertForSeconds(Strict):
+    """How long each alert's condition must hold before it fires (the rule's `for:`), in seconds."""
+
+    server_down: AlertFor = 900  # longer than a model load (the server unit allows 15 minutes to start)
+    decode_decay: AlertFor = 600
+    vram_creep: AlertFor = 900
+    gpu_headroom_low: AlertFor = 600
+    speculation_not_engaged: AlertFor = 900
+    acceptance_low: AlertFor = 1800
+    version_mismatch: AlertFor = 60
+    version_drift: AlertFor = 60
+    restart_budget_exhausted: AlertFor = 60
+    restarts_frequent: AlertFor = 300
+    health_daemon_down: AlertFor = 300
+
+
+# Labels the rendered rules and scrape jobs set themselves; `instance` may be overridden on purpose.
+RESERVED_LABELS = ("job", "severity", "alertname")
+
+
 class Prometheus(Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=1, le=65535)] = 9478
     labels: dict[str, str] = {}
     scrape_interval_seconds: Annotated[int, Field(ge=1, le=3600)] = 15
+    alert_for_seconds: AlertForSeconds = AlertForSeconds()
 
     @field_validator("labels")
     @classmethod
@@ -172,6 +196,44 @@ class Prometheus(Strict):
         for name in value:
             if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name) or name.startswith("__"):
                 raise ValueError(f"{name!r} is not a Prometheus label name; use letters, digits and _")
+            if name in RESERVED_LABELS:
+                raise ValueError(f"{name!r} is set by the rendered rules and scrape jobs; choose another label name")
+        return value
+
+
+WORKLOAD_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+
+
+def _workload_names(value: dict[str, object]) -> None:
+    for name in value:
+        if not WORKLOAD_NAME.match(name):
+            raise ValueError(f"{name!r} is not a workload name of the prompt suite; use names like code, chat, long-qa")
+
+
+class TuningProfile(Strict):
+    """The speculative values `llm-appliance tune` measured best for one workload, and its decode rate there."""
+
+    n_max: Annotated[int, Field(ge=1, le=64)]
+    n_min: Annotated[int, Field(ge=0, le=64)] = 0
+    p_min: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    draft_gpu_layers: GpuLayers | None = None
+    draft_cache_type: CacheType | None = None
+    decode_tps: Annotated[float, Field(ge=0.0)] | None = None
+
+
+class Tuning(Strict):
+    """Written by `llm-appliance tune --write`: the workload mix [speculative] was chosen for (name -> weight)
+    and each workload's own best values. llama-server applies one set of speculative values to every request."""
+
+    workloads: dict[str, Annotated[float, Field(gt=0.0, le=1000.0)]] = {}
+    profiles: dict[str, TuningProfile] = {}
+    suite: str = ""
+    measured_at: str = ""
+
+    @field_validator("workloads", "profiles")
+    @classmethod
+    def _names(cls, value: dict[str, object]) -> dict[str, object]:
+        _workload_names(value)
         return value
 
 
@@ -185,3 +247,4 @@ class Spec(Strict):
     restart: Restart = Restart()
     versions: Versions = Versions()
     prometheus: Prometheus = Prometheus()
+    tuning: Tuning = Tuning()

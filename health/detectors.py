@@ -76,9 +76,11 @@ class DecayDetector:
     consecutive: int
     baseline_windows: int
     median_of: int = 5
+    raise_above: float = 1.25
     baselines: dict[str, float] = field(default_factory=dict)
     _learning: dict[str, list[float]] = field(default_factory=dict)
     _recent: dict[str, deque[float]] = field(default_factory=dict)
+    _sustained: dict[str, deque[float]] = field(default_factory=dict)
     breaches: dict[str, int] = field(default_factory=dict)
 
     def add(self, bucket: str, decode_tps: float) -> bool:
@@ -89,11 +91,18 @@ class DecayDetector:
             if len(learning) >= self.baseline_windows:
                 self.baselines[bucket] = statistics.median(learning)
             return False
+        sustained = self._sustained.setdefault(bucket, deque(maxlen=4 * self.median_of))
+        sustained.append(decode_tps)
+        if len(sustained) == sustained.maxlen and statistics.median(sustained) > self.raise_above * self.baselines[bucket]:
+            # A baseline learned while the box was busy (or from a cold server) is too low to ever see decay.
+            # Only a long run of faster windows raises it: noise in a median of 20 never moves it by 25%.
+            self.baselines[bucket] = statistics.median(sustained)
         recent = self._recent.setdefault(bucket, deque(maxlen=self.median_of))
         recent.append(decode_tps)
         if len(recent) < self.median_of:  # the median of one or two windows is one slow request
             return False
-        if statistics.median(recent) < self.ratio * self.baselines[bucket]:
+        median = statistics.median(recent)
+        if median < self.ratio * self.baselines[bucket]:
             self.breaches[bucket] = self.breaches.get(bucket, 0) + 1
         else:
             self.breaches[bucket] = 0
@@ -110,6 +119,7 @@ class DecayDetector:
     def after_restart(self) -> None:
         """A restart cures fragmentation: judge the fresh server on fresh windows, keep the baselines."""
         self._recent.clear()
+        self._sustained.clear()
         self.breaches.clear()
 
 

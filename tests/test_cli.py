@@ -37,6 +37,7 @@ RENDERED = [
     "etc/systemd/system/llm-appliance-restart.service",
     "etc/systemd/system/llm-appliance-restart.timer",
     "etc/systemd/system/llm-appliance-server.service",
+    "etc/polkit-1/rules.d/50-llm-appliance.rules",
 ]
 # The spec itself is installed beside the rendered files, where the units name it.
 DEMO_FILES = sorted([*RENDERED, "etc/llm-appliance/demo.toml"])
@@ -201,14 +202,14 @@ def test_render_out_writes_the_files_and_rewrites_nothing_the_second_time(cli: R
     out_dir = tmp_path / "out"
     code, out, err = cli("render", demo, "--out", out_dir)
     assert code == EXIT_OK, err
-    assert out == f"rendered 10 files into {out_dir} (10 changed)\n"
+    assert out == f"rendered {len(DEMO_FILES)} files into {out_dir} ({len(DEMO_FILES)} changed)\n"
     assert files_under(out_dir) == DEMO_FILES
     assert (out_dir / "etc/llm-appliance/demo.toml").read_text() == demo.read_text()
     launch = json.loads((out_dir / "etc/llm-appliance/rendered/launch.json").read_text())
     assert launch["argv"][0] == str(find_binary(load_spec(demo).spec))
     assert launch["argv"][launch["argv"].index("--spec-type") + 1] == "draft-simple"
     code, out, _ = cli("render", demo, "--out", out_dir)
-    assert (code, out) == (EXIT_OK, f"rendered 10 files into {out_dir} (0 changed)\n")
+    assert (code, out) == (EXIT_OK, f"rendered {len(DEMO_FILES)} files into {out_dir} (0 changed)\n")
 
 
 def test_render_to_stdout_matches_render_out(cli: Run, demo: Path, tmp_path: Path) -> None:
@@ -237,7 +238,10 @@ def test_apply_installs_files_0644_and_a_second_apply_changes_nothing(cli: Run, 
     code, out, err = cli("apply", demo, "--root", root)
     assert code == EXIT_OK, err
     assert files_under(root) == DEMO_FILES
-    assert out.splitlines() == [*(f"create {root / p}" for p in DEMO_FILES), f"10 files changed under {root}"]
+    assert out.splitlines() == [
+        *(f"create {root / p}" for p in DEMO_FILES),
+        f"{len(DEMO_FILES)} files changed under {root}",
+    ]
     for relative in DEMO_FILES:
         assert stat.S_IMODE((root / relative).stat().st_mode) == 0o644, relative
     before = {p: ((root / p).stat().st_mtime_ns, (root / p).stat().st_ino) for p in DEMO_FILES}

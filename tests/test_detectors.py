@@ -459,3 +459,16 @@ def test_restarted_forgets_restarts_older_than_an_hour() -> None:
     for t in (0, 1000, 2000, 5000):
         p.restarted(t)
     assert p.history == [2000, 5000]
+
+
+def test_a_baseline_learned_on_a_busy_box_rises_to_the_sustained_rate_and_then_sees_decay() -> None:
+    detector = DecayDetector(ratio=0.8, consecutive=3, baseline_windows=5)
+    for _ in range(5):
+        detector.add("ctx<=1K", 10.0)  # learned while something else had the CPU
+    assert detector.baselines["ctx<=1K"] == 10.0
+    rng = random.Random(7)
+    for _ in range(20):
+        assert not detector.add("ctx<=1K", 150.0 * rng.uniform(0.95, 1.05))
+    assert 140.0 < detector.baselines["ctx<=1K"] < 160.0
+    verdicts = [detector.add("ctx<=1K", 75.0) for _ in range(8)]
+    assert any(verdicts), "a drop to half the sustained rate must breach"

@@ -1,0 +1,279 @@
+"""End to end: a real Prometheus, configured with the rendered scrape jobs and alert rules, scrapes the real
+health daemon and the real llama-server of `llm-appliance up` (demo spec). Conditions are induced for real
+and the alerts are watched through Prometheus's HTTP API until they fire, then until they resolve:
+
+- llama-server stopped (SIGSTOP): /health stops answering, LlmApplianceServerDown fires; SIGCONT resolves it.
+- the health daemon's process stopped (SIGSTOP of `up`, llama-server left running): its metrics are absent,
+  LlmApplianceHealthDaemonDown fires; SIGCONT resolves it.
+
+The spec's own [prometheus] settings make it fast: 1 s scrapes and a 2 s `for:` for the two alerts; the test's
+prometheus.yml evaluates the rules every second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_health_daemon import server_pids, wait_until
+from test_launch import free_port
+
+from appliance.render import render
+from appliance.server_api import ServerApi, ServerUnreachable
+from appliance.validate import validate
+
+pytestmark = [pytest.mark.engine, pytest.mark.system]
+
+PROMETHEUS = Path(os.environ.get("PROMETHEUS", "/usr/bin/prometheus"))
+RULES = "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml"
+SCRAPE = "etc/llm-appliance/rendered/prometheus/scrape.yml"
+FOR_SECONDS = 2
+
+
+def fast_spec(example: Callable[..., Path], server_port: int, exporter_port: int) -> Path:
+    return example(
+        "demo.toml",
+        {
+            "port = 8080": f"port = {server_port}",
+            "port = 9478": f"port = {exporter_port}",
+            # A stopped server is down, not hung: `consecutive` high enough that no restart cures it for us.
+            "interval_seconds = 10": "interval_seconds = 1\nconsecutive = 100",
+            "canary_after_idle_seconds = 60": "canary_after_idle_seconds = 0",
+            'labels = { appliance = "demo" }': 'labels = { appliance = "demo" }\nscrape_interval_seconds = 1\n'
+            f"alert_for_seconds = {{ server_down = {FOR_SECONDS}, health_daemon_down = {FOR_SECONDS} }}",
+        },
+    )
+
+
+def prometheus_config(spec: Path, directory: Path) -> Path:
+    """prometheus.yml: the rendered scrape jobs under scrape_configs, the rendered rules, 1 s evaluation."""
+    files = render(validate(spec).plan, spec)
+    for relative in (RULES, SCRAPE):
+        (directory / relative).parent.mkdir(parents=True, exist_ok=True)
+        (directory / relative).write_text(files[relative])
+    jobs = "".join(f"  {line}\n" for line in files[SCRAPE].splitlines() if line.strip())
+    config = directory / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"rule_files:\n  - {directory / RULES}\nscrape_configs:\n{jobs}"
+    )
+    return config
+
+
+class Prometheus:
+    def __init__(self, config: Path, directory: Path) -> None:
+        if not PROMETHEUS.exists():
+            pytest.fail(f"{PROMETHEUS} is missing (apt-get install prometheus; tests/run installs it)")
+        self.port = free_port()
+        self.log = directory / "prometheus.log"
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(
+                [
+                    str(PROMETHEUS),
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={directory / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def get(self, path: str, **params: str) -> Any:
+        url = f"http://127.0.0.1:{self.port}{path}"
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
+        with urllib.request.urlopen(url, timeout=5) as response:
+            body = response.read().decode()
+        return json.loads(body)["data"] if path.startswith("/api/") else body
+
+    def ready(self) -> bool:
+        assert self.process.poll() is None, f"prometheus exited:\n{self.log.read_text()}"
+        try:
+            self.get("/-/ready")
+            return True
+        except OSError:
+            return False
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        return list(self.get("/api/v1/query", query=expr)["result"])
+
+    def alerts(self, name: str | None = None) -> list[dict[str, Any]]:
+        """Active alerts (pending or firing); a resolved alert is no longer listed."""
+        found = list(self.get("/api/v1/alerts")["alerts"])
+        return [a for a in found if name is None or a["labels"]["alertname"] == name]
+
+    def firing(self, name: str) -> list[dict[str, Any]]:
+        return [a for a in self.alerts(name) if a["state"] == "firing"]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture
+def appliance(tmp_path: Path) -> Iterator[Callable[[Path], tuple[subprocess.Popen[str], list[str]]]]:
+    """`llm-appliance up SPEC` in the background; its output collected; stopped (and resumed first) at the end."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(spec: Path) -> tuple[subprocess.Popen[str], list[str]]:
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "appliance.cli", "up", str(spec)),
+                *("--state-dir", str(tmp_path / "state"), "--stop-timeout", "5"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        output: list[str] = []
+        threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+        started.append(process)
+        return process, output
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def healthy(api: ServerApi) -> bool:
+    try:
+        return api.health() == 200
+    except ServerUnreachable:
+        return False
+
+
+class Timeline:
+    """What happened when, seconds since the start: printed, and in every assertion message."""
+
+    def __init__(self) -> None:
+        self.start, self.events = time.monotonic(), list[str]()
+
+    def __call__(self, what: str) -> float:
+        now = time.monotonic() - self.start
+        self.events.append(f"{now:6.1f} s  {what}")
+        print(self.events[-1])
+        return now
+
+    def __str__(self) -> str:
+        return "\n".join(self.events)
+
+
+def test_alerts_fire_and_resolve_in_a_real_prometheus(
+    example: Callable[..., Path],
+    appliance: Callable[[Path], tuple[subprocess.Popen[str], list[str]]],
+    tmp_path: Path,
+) -> None:
+    t = Timeline()
+    server_port, exporter_port = free_port(), free_port()
+    spec = fast_spec(example, server_port, exporter_port)
+    config = prometheus_config(spec, tmp_path / "prometheus")
+    up, output = appliance(spec)
+    api = ServerApi(f"http://127.0.0.1:{server_port}", timeout=2)
+    wait_until(lambda: len(server_pids(output)) == 1 and healthy(api), 90, "the server to be ready")
+    server = server_pids(output)[0]
+    t(f"appliance up: llama-server pid {server}, `up` pid {up.pid}")
+
+    prometheus = Prometheus(config, tmp_path / "prometheus")
+    try:
+        wait_until(prometheus.ready, 60, "prometheus to be ready")
+        t("prometheus ready")
+
+        # Both rendered jobs scrape: the health exporter and llama-server's own /metrics.
+        wait_until(
+            lambda: (
+                bool(prometheus.query('up{job="llm-appliance-health", appliance="demo"} == 1'))
+                and bool(prometheus.query('up{job="llm-appliance-llama-server", appliance="demo"} == 1'))
+                and bool(prometheus.query('llm_appliance_server_up{appliance="demo"} == 1'))
+            ),
+            30,
+            f"both jobs scraped\n{t}",
+        )
+        assert prometheus.query('count({job="llm-appliance-llama-server", __name__=~"llamacpp:.+"}) > 0')
+        rules = prometheus.get("/api/v1/rules")["groups"][0]["rules"]
+        assert {r["name"] for r in rules} >= {"LlmApplianceServerDown", "LlmApplianceHealthDaemonDown"}
+        assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+        # A healthy appliance pages for nothing. Prometheus applies its scrape targets only ~5 s after it
+        # starts while it evaluates rules at once: with this test's 2 s `for:`, LlmApplianceHealthDaemonDown
+        # may fire (nothing scraped yet) and resolve with the first scrape; the default 5m never sees it.
+        seen: set[tuple[str, str]] = set()
+
+        def quiet() -> bool:
+            active = prometheus.alerts()
+            seen.update((a["labels"]["alertname"], a["state"]) for a in active)
+            return active == []
+
+        wait_until(quiet, 20, f"no active alerts: {prometheus.alerts()}\n{t}")
+        if seen:
+            t(f"while Prometheus started: {sorted(seen)}")
+        t("both jobs scraped, no active alerts")
+
+        # -- llama-server stopped: LlmApplianceServerDown fires, and resolves once it answers again --
+        os.kill(server, signal.SIGSTOP)
+        stopped = t("llama-server SIGSTOPped")
+        try:
+            wait_until(lambda: bool(prometheus.firing("LlmApplianceServerDown")), 30, f"ServerDown firing\n{t}")
+            alert = prometheus.firing("LlmApplianceServerDown")[0]
+            fired = t(f"LlmApplianceServerDown firing (job {alert['labels']['job']}, active since {alert['activeAt']})")
+        finally:
+            os.kill(server, signal.SIGCONT)
+        t("llama-server SIGCONTed")
+        assert alert["labels"]["severity"] == "critical"
+        assert alert["labels"]["appliance"] == "demo"
+        assert alert["annotations"]["summary"] == f"llama-server has not been ready for {FOR_SECONDS}s"
+        assert fired - stopped >= FOR_SECONDS
+        assert prometheus.firing("LlmApplianceHealthDaemonDown") == []  # the daemon is scraped all along
+        wait_until(lambda: prometheus.alerts("LlmApplianceServerDown") == [], 30, f"ServerDown resolved\n{t}")
+        t("LlmApplianceServerDown resolved")
+        assert healthy(api)
+
+        # -- the health daemon's process stopped, llama-server still serving: HealthDaemonDown --
+        os.kill(up.pid, signal.SIGSTOP)
+        t("`up` (launcher, health daemon, exporter) SIGSTOPped; llama-server keeps running")
+        try:
+            wait_until(
+                lambda: bool(prometheus.firing("LlmApplianceHealthDaemonDown")), 30, f"HealthDaemonDown firing\n{t}"
+            )
+            alert = prometheus.firing("LlmApplianceHealthDaemonDown")[0]
+            t("LlmApplianceHealthDaemonDown firing")
+            assert prometheus.firing("LlmApplianceServerDown") == []  # the server itself still answers
+        finally:
+            os.kill(up.pid, signal.SIGCONT)
+        t("`up` SIGCONTed")
+        assert alert["labels"] == {
+            "alertname": "LlmApplianceHealthDaemonDown",
+            "severity": "critical",
+            "appliance": "demo",
+        }
+        wait_until(
+            lambda: prometheus.alerts("LlmApplianceHealthDaemonDown") == [], 30, f"HealthDaemonDown resolved\n{t}"
+        )
+        t("LlmApplianceHealthDaemonDown resolved")
+        wait_until(lambda: prometheus.alerts() == [], 20, f"no active alerts at the end: {prometheus.alerts()}\n{t}")
+        assert server_pids(output) == [server]  # nothing was cured by a restart: the alerts followed the real state
+        assert up.poll() is None
+    finally:
+        prometheus.stop()
