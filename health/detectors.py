@@ -93,7 +93,10 @@ class DecayDetector:
             return False
         sustained = self._sustained.setdefault(bucket, deque(maxlen=4 * self.median_of))
         sustained.append(decode_tps)
-        if len(sustained) == sustained.maxlen and statistics.median(sustained) > self.raise_above * self.baselines[bucket]:
+        if (
+            len(sustained) == sustained.maxlen
+            and statistics.median(sustained) > self.raise_above * self.baselines[bucket]
+        ):
             # A baseline learned while the box was busy (or from a cold server) is too low to ever see decay.
             # Only a long run of faster windows raises it: noise in a median of 20 never moves it by 25%.
             self.baselines[bucket] = statistics.median(sustained)
