@@ -220,6 +220,60 @@ def cmd_hold_driver(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _baseline_path(args: argparse.Namespace, result: Validated) -> Path | None:
+    if args.no_baseline:
+        return None
+    return args.baseline or result.plan.spec.health.baseline_file
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from appliance.bench import BenchError, BenchUsage, main_bench
+
+    result = _validated(args.spec)
+    try:
+        return main_bench(
+            args.spec,
+            result,
+            standalone=args.standalone,
+            reps=args.reps,
+            tokens=args.tokens,
+            workloads=[w for w in (args.workload or "").split(",") if w],
+            suite_file=args.suite,
+            as_json=args.json,
+            chart=None if args.no_chart else args.chart,
+            baseline=_baseline_path(args, result),
+        )
+    except BenchError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, BenchUsage) else EXIT_APPLY
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from appliance.bench import BenchError, BenchUsage
+    from appliance.tune import main_tune
+
+    result = _validated(args.spec)
+    try:
+        return main_tune(
+            args.spec,
+            result,
+            workloads=args.workload,
+            grids=args.grid,
+            draft_gpu_layers=args.draft_gpu_layers,
+            draft_cache_types=args.draft_cache_type,
+            reps=args.reps,
+            tokens=args.tokens,
+            tolerance=args.tolerance,
+            suite_file=args.suite,
+            write=args.write,
+            as_json=args.json,
+            baseline=_baseline_path(args, result),
+        )
+    except BenchError as exc:
+        print(f"tune: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, BenchUsage) else EXIT_APPLY
+
+
 def cmd_models_fetch(args: argparse.Namespace) -> int:
     for name, path in models.fetch(args.dest).items():
         print(f"{name}: {path}")
@@ -301,6 +355,55 @@ def parser() -> argparse.ArgumentParser:
     )
     command("hold-driver", cmd_hold_driver, "pin the NVIDIA driver and CUDA packages (apt-mark, unattended-upgrades)")
     command("release-driver", cmd_hold_driver, "undo hold-driver")
+    p = command(
+        "bench",
+        cmd_bench,
+        "decode tok/s, TTFT and acceptance per workload of the prompt suite, with and without the draft",
+    )
+    p.add_argument("spec", type=Path)
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="start llama-server from the spec instead of using the running appliance",
+    )
+    _measure_options(p, reps=3)
+    p.add_argument("--workload", help="only these workloads of the suite, comma-separated (default: all)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument(
+        "--chart", type=Path, default=Path("llm-appliance-bench.png"), help="the PNG chart (default %(default)s)"
+    )
+    p.add_argument("--no-chart", action="store_true", help="draw no chart")
+    p = command(
+        "tune",
+        cmd_tune,
+        "sweep n_max, n_min, p_min one at a time with bench; keep the best per workload and for the mix",
+    )
+    p.add_argument("spec", type=Path)
+    _measure_options(p, reps=3)
+    p.add_argument(
+        "--workload", help="the mix to tune for, e.g. code=2,chat=1 (default: [tuning].workloads, else all equally)"
+    )
+    p.add_argument(
+        "--grid", action="append", default=[], metavar="PARAM=V,V", help="values to try, e.g. n_max=2,4,8 (repeatable)"
+    )
+    p.add_argument(
+        "--draft-gpu-layers",
+        metavar="N,N",
+        help="also sweep the draft's gpu_layers over these values (a number, all, auto)",
+    )
+    p.add_argument(
+        "--draft-cache-type", metavar="T,T", help="also sweep the draft's KV cache type over these, e.g. f16,q8_0"
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.02,
+        help="within this share of the best is not slower (default %(default)s)",
+    )
+    p.add_argument(
+        "--write", action="store_true", help="show the diff and write the choice and the profiles into the spec"
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a report")
     models_parser = sub.add_parser("models", help="small real models for the demo and tests").add_subparsers(
         dest="models_command", required=True, metavar="ACTION"
     )
@@ -308,6 +411,18 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_models_fetch)
     p.add_argument("--dest", type=Path, default=paths.MODELS)
     return top
+
+
+def _measure_options(p: argparse.ArgumentParser, reps: int) -> None:
+    p.add_argument(
+        "--reps", type=int, default=reps, help="repetitions per workload; the median is kept (default %(default)s)"
+    )
+    p.add_argument("--tokens", type=int, help="cap every workload at this many generated tokens (a quick run)")
+    p.add_argument("--suite", type=Path, help="another prompt suite file (default: the shipped suite-v1)")
+    p.add_argument(
+        "--baseline", type=Path, help="write the health daemon's baseline here (default: health.baseline_file)"
+    )
+    p.add_argument("--no-baseline", action="store_true", help="write no baseline file")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

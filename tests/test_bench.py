@@ -1,0 +1,286 @@
+"""bench: the prompt suite, the argv of each configuration, the numbers, and real runs against the demo pair."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import struct
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from appliance import cli
+from appliance.bench import (
+    CHAT_MARGIN,
+    NO_DRAFT,
+    BenchError,
+    Config,
+    Progress,
+    Sample,
+    Stats,
+    WorkloadResult,
+    fit_document,
+    free_port,
+    load_suite,
+    long_prompt,
+    prepare,
+    server_argv,
+)
+from appliance.chart import draw_bench_chart
+from appliance.render import launch_document
+from appliance.server_api import ServerApi, ServerUnreachable
+from appliance.validate import validate
+from health import versions
+from health.detectors import CANARY_BUCKET
+
+
+def rough_count(text: str) -> int:
+    return len(text) // 4 + 1
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return int(width), int(height)
+
+
+def test_the_suite_is_versioned_and_ships_inside_the_package() -> None:
+    shipped = resources.files("appliance").joinpath("prompts", "suite-v1.json")
+    assert shipped.is_file()
+    suite = load_suite()
+    assert suite.version == "suite-v1"
+    assert suite.names == ["chat", "code", "prose-en", "prose-zh", "long-qa"]
+    chinese = next(w for w in suite.workloads if w.name == "prose-zh")
+    assert re.search(r"[\u4e00-\u9fff]{10}", chinese.messages[0][1]), "the Chinese prose prompt is not Chinese"
+    code = next(w for w in suite.workloads if w.name == "code")
+    assert code.endpoint == "completion" and code.prompt and code.prompt.startswith("import csv")
+    assert suite.select(["code", "chat"]).names == ["chat", "code"]
+    with pytest.raises(BenchError, match="no workload nope"):
+        suite.select(["nope"])
+
+
+def test_the_long_document_is_fixed_and_cut_to_fit() -> None:
+    document = next(w for w in load_suite().workloads if w.name == "long-qa").document
+    assert document is not None
+    assert long_prompt(document, 50) == long_prompt(document, 50)
+    full, tokens = fit_document(document, 100_000, rough_count)
+    assert 0.92 * document["target_tokens"] <= tokens <= document["target_tokens"]
+    short, short_tokens = fit_document(document, 600, rough_count)
+    assert 0.9 * 600 <= short_tokens <= 600 and len(short) < len(full)
+    # The question is about an entry that is in the document.
+    station = re.search(r"pump station (\d+) on day (\d+)", short)
+    assert station is not None
+    assert f"pump station {station.group(1)} in the" in short
+    with pytest.raises(BenchError, match="cannot fit"):
+        fit_document(document, 20, rough_count)
+
+
+def test_requests_fit_one_slot_and_are_greedy_and_uncached() -> None:
+    suite = {w.name: w for w in load_suite().workloads}
+    long_qa = prepare(suite["long-qa"], 128, 1024, rough_count)
+    assert long_qa.prompt_tokens is not None
+    assert long_qa.prompt_tokens + long_qa.max_tokens + CHAT_MARGIN <= 1024
+    assert long_qa.path == "/v1/chat/completions" and long_qa.body["stream"] is True
+    code = prepare(suite["code"], 512, 4096, rough_count)
+    assert code.path == "/completion" and code.body["n_predict"] == code.max_tokens == 512
+    for request in (long_qa, code):
+        assert request.body["temperature"] == 0
+        assert request.body["ignore_eos"] is True
+        assert request.body["cache_prompt"] is False
+    clipped = prepare(suite["prose-en"], 512, 300, rough_count)
+    assert clipped.max_tokens < 512
+    with pytest.raises(BenchError, match="does not fit"):
+        prepare(suite["code"], 16, 100, rough_count)
+
+
+def test_each_configuration_is_the_plan_with_its_own_speculative_flags(example: Callable[..., Path]) -> None:
+    validated = validate(example("demo.toml"))
+    plan_argv = list(validated.plan.argv)
+    assert server_argv(validated, Config.of(validated.plan.spec), 8080) == plan_argv
+    other = server_argv(validated, Config(True, 3, 1, 0.4), 18080)
+    assert other[other.index("--port") + 1] == "18080"
+    assert other[other.index("--spec-draft-n-max") + 1] == "3"
+    assert other[other.index("--spec-draft-n-min") + 1] == "1"
+    assert other[other.index("--spec-draft-p-min") + 1] == "0.4"
+    baseline = server_argv(validated, NO_DRAFT, 18081)
+    assert not [arg for arg in baseline if arg.startswith("--spec-")]
+    # Everything else is the plan's: the baseline is the same server without the draft.
+    without_spec = [
+        a
+        for i, a in enumerate(plan_argv)
+        if not a.startswith("--spec-") and not (i and plan_argv[i - 1].startswith("--spec-"))
+    ]
+    assert baseline == [("18081" if a == "8080" else a) for a in without_spec]
+    layered = server_argv(validated, Config(True, 8, 0, 0.0, draft_gpu_layers=0, draft_cache_type="q8_0"), 1)
+    assert layered[layered.index("--spec-draft-type-k") + 1] == "q8_0"
+    assert layered[layered.index("--spec-draft-type-v") + 1] == "q8_0"
+
+
+def test_statistics_acceptance_and_mean_accepted_length() -> None:
+    def sample(tps: float, draft_n: int, accepted: int, drafts: float | None) -> Sample:
+        return Sample(tps, 500.0, 40.0, 30, 64, draft_n, accepted, drafts)
+
+    result = WorkloadResult("chat", "short chat", 64, 30, n_max=8)
+    result.samples = [sample(60, 56, 49, 7), sample(66, 56, 42, 7), sample(30, 56, 56, 7)]
+    decode = result.decode
+    assert decode is not None and decode.median == 60 and decode.low == 30 and decode.high == 66
+    assert decode.spread == pytest.approx(0.3)
+    assert result.acceptance == pytest.approx(147 / 168)
+    assert result.mean_accepted_length == pytest.approx(1 + 147 / 21)
+    result.samples = [sample(60, 56, 56, None)]  # no draft counter in /metrics: draft_n / n_max rounds
+    assert result.mean_accepted_length == pytest.approx(1 + 56 / 7)
+    nothing = WorkloadResult("chat", "short chat", 64, 30)
+    nothing.samples = [sample(100, 0, 0, 0)]
+    assert nothing.acceptance is None and nothing.mean_accepted_length is None
+    assert Stats.of([]) is None
+
+
+def test_progress_on_a_log_is_one_line_per_configuration() -> None:
+    stream = io.StringIO()
+    progress = Progress(stream, total=10)
+    progress.phase("with draft")
+    for i in range(10):
+        progress.advance(f"chat {i}")
+    progress.phase("no draft")
+    progress.close()
+    assert stream.getvalue() == "bench: with draft\nbench: no draft\n"
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_is_a_bar_redrawn_in_place() -> None:
+    stream = Terminal()
+    progress = Progress(stream, total=4)
+    progress.phase("with draft")
+    progress.advance("chat 1/2")
+    progress.advance("chat 2/2")
+    progress.close()
+    text = stream.getvalue()
+    assert "\n" not in text and text.count("\r") == 4
+    assert "[############............] 2/4  with draft: chat 2/2" in text
+
+
+def test_the_chart_is_a_png_with_a_bar_pair_per_workload(tmp_path: Path) -> None:
+    path = tmp_path / "chart.png"
+    rows = [("chat", 60.2, 115.0), ("code", 73.0, 111.0), ("prose-en", 70.0, None), ("long-qa", 33.0, 76.0)]
+    draw_bench_chart(path, "demo.toml: decode tok/s", rows)
+    width, height = png_size(path)
+    assert 640 <= width <= 2000 and 300 <= height <= 1200
+
+
+# Against the real llama-server -------------------------------------------------------------------
+
+
+@pytest.mark.engine
+def test_bench_standalone_measures_every_workload_with_and_without_the_draft(
+    example: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A 768-token context: the long-context prompt must be cut to fit it.
+    spec = example("demo.toml", {"ctx_size = 4096": "ctx_size = 768"})
+    chart, baseline = tmp_path / "bench.png", tmp_path / "baseline.json"
+    argv = ["bench", str(spec), "--standalone", "--reps", "2", "--tokens", "12", "--json"]
+    code = cli.main([*argv, "--chart", str(chart), "--baseline", str(baseline)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "bench: no draft (baseline)" in err  # progress, one line per configuration on a log
+    result = json.loads(out)
+    assert result["suite"] == "suite-v1" and result["mode"] == "standalone"
+    assert result["configs"]["draft"]["n_max"] == 8 and result["configs"]["no_draft"] == {
+        "draft": False,
+        "label": "no draft",
+    }
+    rows = {row["name"]: row for row in result["workloads"]}
+    assert list(rows) == ["chat", "code", "prose-en", "prose-zh", "long-qa"]
+    for name, row in rows.items():
+        draft, plain = row["draft"], row["no_draft"]
+        for side in (draft, plain):
+            assert len(side["decode_tps"]["samples"]) == 2, name
+            assert side["decode_tps"]["median"] > 0
+            assert side["predicted_tokens"] == 12, name  # ignore_eos: exactly the tokens asked for
+            assert side["ttft_ms"]["median"] > 0 and side["prompt_tps"]["median"] > 0
+        assert row["speedup"] == pytest.approx(draft["decode_tps"]["median"] / plain["decode_tps"]["median"], rel=1e-3)
+        # SmolLM2 drafting for itself, greedy: almost every draft token is accepted.
+        assert draft["acceptance"] > 0.8, name
+        assert draft["mean_accepted_length"] > 2, name
+        assert plain["acceptance"] is None and plain["mean_accepted_length"] is None
+    long_qa = rows["long-qa"]["draft"]["prompt_tokens"]
+    assert 400 < long_qa <= 768 - 12 - CHAT_MARGIN, long_qa
+    assert rows["long-qa"]["no_draft"]["prompt_tokens"] == long_qa  # the same prompt for both
+    assert result["canary"]["predicted_tokens"] == 32
+
+    width, height = png_size(chart)
+    assert width >= 640 and height >= 300
+
+    written = versions.Baseline.read(baseline)  # what the health daemon reads
+    assert written is not None
+    assert set(written.decode_tps) == {f"workload:{n}" for n in rows} | {CANARY_BUCKET}
+    assert written.decode_tps["workload:chat"] == pytest.approx(rows["chat"]["draft"]["decode_tps"]["median"], rel=1e-3)
+    assert set(written.versions) == {"driver", "cuda", "llama_cpp"}
+    from appliance.gpu import Pynvml
+
+    found = versions.detect(Pynvml(), Path("/opt/llm-appliance/engine"))
+    assert versions.drift(written.versions, found) == []  # fresh: not stale
+    upgraded = versions.Found(found.driver, found.cuda, "version: 9999 (a newer llama.cpp)", found.llama_cpp_python)
+    if written.versions["llama_cpp"] is not None:
+        assert versions.drift(written.versions, upgraded), "a llama.cpp change must mark the baseline stale"
+
+
+@pytest.fixture
+def running_appliance(example: Callable[..., Path]) -> Iterator[tuple[Path, ServerApi]]:
+    """The demo spec on a free port, its llama-server started from the spec's own plan: 'the running appliance'."""
+    port = free_port()
+    spec = example("demo.toml", {"port = 8080": f"port = {port}"})
+    process = subprocess.Popen(
+        launch_document(validate(spec).plan)["argv"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    api = ServerApi(f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if api.health() == 200:
+                    break
+            except ServerUnreachable:
+                pass
+            assert process.poll() is None, "the demo server exited"
+            time.sleep(0.1)
+        yield spec, api
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+@pytest.mark.engine
+def test_bench_drives_the_running_appliance_and_starts_only_the_baseline(
+    running_appliance: tuple[Path, ServerApi], capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec, api = running_appliance
+    before = api.metrics().get("tokens_predicted_total", 0.0)
+    code = cli.main(
+        ["bench", str(spec), "--workload", "code", "--reps", "1", "--tokens", "8", "--no-chart", "--no-baseline"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"(the appliance at {api.base_url})" in out
+    row = next(line for line in out.splitlines() if line.startswith("code "))
+    assert re.search(r"\d+\.\d+x", row), row  # a measured speedup
+    assert "canary" in out
+    # The with-draft numbers came from the running server: it generated the workload's and the canary's tokens.
+    assert api.metrics()["tokens_predicted_total"] >= before + 8 + 32
+
+
+@pytest.mark.engine
+def test_bench_says_so_when_no_appliance_runs(example: Callable[..., Path], capsys: pytest.CaptureFixture[str]) -> None:
+    spec = example("demo.toml", {"port = 8080": f"port = {free_port()}"})
+    assert cli.main(["bench", str(spec), "--no-chart", "--no-baseline"]) == cli.EXIT_APPLY
+    assert "use --standalone" in capsys.readouterr().err
