@@ -532,19 +532,10 @@ def _content(chunk: dict[str, Any]) -> bool:
 
 
 def _call(api: ServerApi, path: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
-    """A plain JSON request (GET without a body) to one of llama-server's endpoints."""
-    headers = {"Content-Type": "application/json"}
-    if api.api_key:
-        headers["Authorization"] = f"Bearer {api.api_key}"
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(api.base_url + path, data=data, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        raise BenchError(f"{api.base_url}{path} answered {exc.code}: {exc.read()[:300]!r}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise BenchError(f"{api.base_url}{path}: {getattr(exc, 'reason', exc)}") from None
+        return api.call(path, body, timeout)
+    except ServerUnreachable as exc:
+        raise BenchError(str(exc)) from None
 
 
 def _metrics(api: ServerApi) -> dict[str, float] | None:

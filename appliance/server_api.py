@@ -48,6 +48,13 @@ class ServerApi:
         except (urllib.error.URLError, OSError, TimeoutError) as exc:
             raise ServerUnreachable(f"{self.base_url}{path}: {getattr(exc, 'reason', exc)}") from None
 
+    def call(self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        """Any JSON endpoint (GET without a body, POST with one); raises ServerUnreachable unless 200."""
+        status, answer = self._request(path, body, timeout)
+        if status != 200:
+            raise ServerUnreachable(f"{self.base_url}{path} answered {status}: {answer[:300]!r}")
+        return self._json(answer, path)
+
     def health(self) -> int:
         """HTTP status of /health: 200 ready, 503 loading; raises ServerUnreachable when nothing answers."""
         return self._request("/health")[0]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -101,3 +104,45 @@ EXAMPLE_FACTS = {
     "dual-gpu.toml": gpu_facts(24, 24),
     "demo.toml": gpu_facts(),
 }
+
+
+UpProcess = Callable[[Path], tuple[subprocess.Popen[str], list[str]]]
+
+
+@pytest.fixture
+def appliance_up(tmp_path: Path) -> Iterator[UpProcess]:
+    """`llm-appliance up SPEC` in the background, its output collected; resumed and stopped at the end."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(spec: Path) -> tuple[subprocess.Popen[str], list[str]]:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "appliance.cli",
+                "up",
+                str(spec),
+                "--state-dir",
+                str(tmp_path / "state"),
+                "--stop-timeout",
+                "5",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        output: list[str] = []
+        threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+        started.append(process)
+        return process, output
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()

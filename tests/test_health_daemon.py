@@ -7,13 +7,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import UpProcess
 from prometheus_client import CollectorRegistry
 from test_launch import free_port, pid_alive
 
@@ -74,43 +74,6 @@ def metric(text: str, name: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-@pytest.fixture
-def up(tmp_path: Path) -> Iterator[Callable[[Path], tuple[subprocess.Popen[str], list[str]]]]:
-    started: list[subprocess.Popen[str]] = []
-
-    def start(spec: Path) -> tuple[subprocess.Popen[str], list[str]]:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "appliance.cli",
-                "up",
-                str(spec),
-                "--state-dir",
-                str(tmp_path / "state"),
-                "--stop-timeout",
-                "5",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        output: list[str] = []
-        threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
-        started.append(process)
-        return process, output
-
-    yield start
-    for process in started:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-
 def server_pids(output: list[str]) -> list[int]:
     return [int(m.group(1)) for line in list(output) if (m := re.search(r"started llama-server \(pid (\d+)\)", line))]
 
@@ -122,11 +85,9 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.25)
 
 
-def test_induced_decay_restarts_the_real_server(
-    example: Callable[..., Path], up: Callable[[Path], tuple[subprocess.Popen[str], list[str]]]
-) -> None:
+def test_induced_decay_restarts_the_real_server(example: Callable[..., Path], appliance_up: UpProcess) -> None:
     server_port, exporter_port = free_port(), free_port()
-    process, output = up(fast_demo(example, server_port, exporter_port))
+    process, output = appliance_up(fast_demo(example, server_port, exporter_port))
     api = ServerApi(f"http://127.0.0.1:{server_port}", timeout=5)
     wait_until(lambda: len(server_pids(output)) == 1 and _healthy(api), 60, "the server to be ready")
     first = server_pids(output)[0]

@@ -16,16 +16,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import UpProcess
 from test_health_daemon import server_pids, wait_until
 from test_launch import free_port
 
@@ -127,38 +126,6 @@ class Prometheus:
                 self.process.wait()
 
 
-@pytest.fixture
-def appliance(tmp_path: Path) -> Iterator[Callable[[Path], tuple[subprocess.Popen[str], list[str]]]]:
-    """`llm-appliance up SPEC` in the background; its output collected; stopped (and resumed first) at the end."""
-    started: list[subprocess.Popen[str]] = []
-
-    def start(spec: Path) -> tuple[subprocess.Popen[str], list[str]]:
-        process = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "appliance.cli", "up", str(spec)),
-                *("--state-dir", str(tmp_path / "state"), "--stop-timeout", "5"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        output: list[str] = []
-        threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
-        started.append(process)
-        return process, output
-
-    yield start
-    for process in started:
-        if process.poll() is None:
-            process.send_signal(signal.SIGCONT)
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-
 def healthy(api: ServerApi) -> bool:
     try:
         return api.health() == 200
@@ -184,14 +151,14 @@ class Timeline:
 
 def test_alerts_fire_and_resolve_in_a_real_prometheus(
     example: Callable[..., Path],
-    appliance: Callable[[Path], tuple[subprocess.Popen[str], list[str]]],
+    appliance_up: UpProcess,
     tmp_path: Path,
 ) -> None:
     t = Timeline()
     server_port, exporter_port = free_port(), free_port()
     spec = fast_spec(example, server_port, exporter_port)
     config = prometheus_config(spec, tmp_path / "prometheus")
-    up, output = appliance(spec)
+    up, output = appliance_up(spec)
     api = ServerApi(f"http://127.0.0.1:{server_port}", timeout=2)
     wait_until(lambda: len(server_pids(output)) == 1 and healthy(api), 90, "the server to be ready")
     server = server_pids(output)[0]
