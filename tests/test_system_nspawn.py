@@ -146,16 +146,11 @@ def machine(tmp_path_factory: pytest.TempPathFactory, smollm2: Path, engine_bina
     subprocess.run(["systemd-machine-id-setup", f"--root={root}"], check=True, capture_output=True)
     for wants in (root / "etc/systemd/system").glob("*.wants"):
         shutil.rmtree(wants)  # boot systemd's own units, not the host's services
-    for leftover in (
-        "llm-appliance",
-        "systemd/system/llm-appliance-server.service",
-        "polkit-1/rules.d/50-llm-appliance.rules",
-    ):
-        target = root / "etc" / leftover
-        if target.is_dir():
-            shutil.rmtree(target)
-        else:
-            target.unlink(missing_ok=True)
+    # A host that ran install.sh itself must not hand its installation to the fresh machine.
+    shutil.rmtree(root / "etc/llm-appliance", ignore_errors=True)
+    units = (root / "etc/systemd/system").glob("llm-appliance-*")
+    for leftover in [*units, *(root / "etc/polkit-1/rules.d").glob("*llm-appliance*")]:
+        leftover.unlink()
     for link in ("bin", "sbin", "lib", "lib64"):
         (root / link).symlink_to(f"usr/{link}")
     models = root / "var/lib/llm-appliance/models"
