@@ -24,6 +24,7 @@ from appliance.problems import SpecInvalid, report
 from appliance.render import launch_document, render
 from appliance.spec import Spec
 from appliance.validate import Validated, validate
+from health.exporter import ExporterUnavailable
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_APPLY, EXIT_ENGINE = 0, 1, 2, 3, 4
 
@@ -438,6 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID
     except ApplyError as exc:
         print(f"apply: {exc}", file=sys.stderr)
+        return EXIT_APPLY
+    except ExporterUnavailable as exc:
+        print(f"{args.command}: {exc}", file=sys.stderr)
         return EXIT_APPLY
     except InstallError as exc:
         print(f"{args.command}: {exc}", file=sys.stderr)

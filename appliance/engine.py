@@ -176,7 +176,7 @@ def build(cache: Path, kind: str, jobs: int | None = None) -> Path:
         )
         (build_dir / "llm-appliance-options.txt").write_text("\n".join(build_options(kind)) + "\n")
     jobs = jobs or os.cpu_count() or 2
-    log(f"building llama-server with {jobs} jobs (a first build takes 20-30 minutes on 2 cores)")
+    log(f"building llama-server with {jobs} jobs (a first CPU build took 7 minutes on 2 cores here; CUDA takes longer)")
     _run_with_progress(["cmake", "--build", str(build_dir), "--target", "llama-server", "llama", "-j", str(jobs)])
     return build_dir / "bin"
 
@@ -218,6 +218,16 @@ def install(
     dest: Path = paths.ENGINE_DIR, cache: Path = CACHE_DIR, binary: str | None = None, jobs: int | None = None
 ) -> Manifest:
     """`llm-appliance engine install`: the named binary, else one on PATH, else the pinned build."""
+    try:
+        return _install(dest, cache, binary, jobs)
+    except OSError as exc:
+        where = exc.filename or dest
+        raise EngineError(
+            f"cannot write {where}: {exc.strerror or exc}; run as root or choose a writable --dest"
+        ) from None
+
+
+def _install(dest: Path, cache: Path, binary: str | None, jobs: int | None) -> Manifest:
     named = binary or os.environ.get("LLAMA_SERVER")
     origin = "user" if named else "path"
     found = Path(named) if named else (Path(p) if (p := shutil.which("llama-server")) else None)

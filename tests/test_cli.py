@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import stat
 import subprocess
 import sys
@@ -425,3 +426,25 @@ def test_subprocess_usage_and_apply(demo: Path, tmp_path: Path) -> None:
     assert files_under(root) == DEMO_FILES
     second = subprocess_cli("apply", demo, "--root", root)
     assert (second.returncode, second.stdout) == (EXIT_OK, f"nothing to change under {root}\n")
+
+
+def test_provisioning_into_an_unwritable_place_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models", "fetch", "--dest", "/proc/llm-appliance-models"]) == 4
+    assert main(["engine", "install", "--dest", "/proc/llm-appliance-engine"]) == 4
+    err = capsys.readouterr().err
+    assert "models: cannot write the models into /proc/llm-appliance-models" in err
+    assert "engine: cannot write /proc/llm-appliance-engine" in err
+    assert "Traceback" not in err
+
+
+def test_an_exporter_port_in_use_is_a_clear_error(
+    example: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        spec = example("demo.toml", {"port = 9478": f"port = {port}"})
+        assert main(["health", str(spec)]) == 3
+    err = capsys.readouterr().err
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in err and "prometheus.port" in err
