@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Install llm-appliance on this machine, from this checkout.
-#   sudo ./install.sh [--demo | --spec FILE] [--root DIR] [--no-start]
-#   sudo ./install.sh --uninstall [--purge]
-#   sudo ./install.sh --hold-driver | --release-driver
+# Install llm-appliance on this machine, from this checkout. Run it as root, or as a user with sudo.
+#   ./install.sh [--demo | --spec FILE] [--root DIR] [--no-start]
+#   ./install.sh --uninstall [--purge]
+#   ./install.sh --hold-driver | --release-driver
 # This script only bootstraps (root, OS packages, the venv); the steps live in `llm-appliance install`.
 # Where systemd is not PID 1 (containers, CI machines) the units cannot start: the appliance then runs
 # in the foreground with `llm-appliance up SPEC`, exactly as the units would (Ctrl-C stops it).
@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 repo=$(pwd)
 
-action=install args=() start=1 root=/ purge=()
+original=("$@") action=install args=() start=1 root=/ purge=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --demo) args+=(--demo) ;;
@@ -26,10 +26,18 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ "$(id -u)" = 0 ] || { echo "install.sh: run it as root: sudo ./install.sh $*" >&2; exit 2; }
+if [ "$(id -u)" != 0 ]; then
+  command -v sudo >/dev/null || { echo "install.sh: run it as root (there is no sudo here)" >&2; exit 2; }
+  exec sudo -- "$repo/install.sh" "${original[@]}"
+fi
+# The OS packages it needs, on one line: the fresh-machine test builds its package mirror from it.
+# ccache is optional for the build; with it a rebuild of the engine (new version, new options) is quick.
+os_packages=(python3-venv python3-dev cmake ninja-build g++ ccache nftables polkitd dbus)
 
 venv=/opt/llm-appliance/venv
 [ "$root" = / ] || venv=$root/opt/llm-appliance/venv
+# pip's downloads and built wheels go with the appliance's other caches, so --purge leaves nothing.
+export PIP_CACHE_DIR=/var/cache/llm-appliance/pip
 cli=$venv/bin/llm-appliance
 step() { printf '== %s\n' "$*"; }
 fail() { printf 'install.sh: %s\n' "$*" >&2; exit 1; }
@@ -45,7 +53,7 @@ fi
 
 step "OS packages"
 need=()
-for p in python3-venv python3-dev cmake ninja-build g++ nftables polkitd dbus; do
+for p in "${os_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then

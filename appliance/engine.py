@@ -133,6 +133,8 @@ def fetch_source(cache: Path) -> Path:
     archive = src / PINNED.sdist
     if not archive.is_file():
         log(f"downloading {PINNED.package}=={PINNED.version} (source of llama.cpp {PINNED.llama_cpp_commit}) from PyPI")
+        # Only the package itself as source: with `--no-binary :all:` pip would first compile its own build
+        # tools (setuptools, hatchling, scikit-build-core) from source to read the sdist's metadata.
         _run(
             [
                 sys.executable,
@@ -141,7 +143,7 @@ def fetch_source(cache: Path) -> Path:
                 "download",
                 "--no-deps",
                 "--no-binary",
-                ":all:",
+                PINNED.package,
                 "--quiet",
                 "-d",
                 str(src),
@@ -156,9 +158,39 @@ def fetch_source(cache: Path) -> Path:
             f"{archive.name} has sha256 {digest}, expected {PINNED.sha256}; deleted it, run the install again"
         )
     log(f"unpacking {archive.name}")
+    staging = src / (tree.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
     with tarfile.open(archive) as sdist:
-        sdist.extractall(src, filter="data")
+        sdist.extractall(staging, members=safe_members(sdist, staging))
+    shutil.rmtree(tree, ignore_errors=True)
+    (staging / tree.name).rename(tree)
+    staging.rmdir()
     return tree / "vendor" / "llama.cpp"
+
+
+def safe_members(archive: tarfile.TarFile, into: Path) -> list[tarfile.TarInfo]:
+    """Regular files, directories and links that stay inside `into`, without set-id bits: what
+    `filter="data"` does on Python 3.11.4+, checked by hand because Debian 12's python3 is 3.11.2."""
+    root = into.resolve()
+    source = Path(os.fsdecode(archive.name or "the archive")).name
+    members = []
+    for member in archive.getmembers():
+        if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+            raise EngineError(f"{source}: {member.name} is a device or fifo; refusing to unpack it")
+        target = (root / member.name).resolve()
+        if member.issym():
+            link = (target.parent / member.linkname).resolve()
+        elif member.islnk():
+            link = (root / member.linkname).resolve()
+        else:
+            link = target
+        if Path(member.name).is_absolute() or not all(p.is_relative_to(root) for p in (target, link)):
+            raise EngineError(f"{source}: {member.name} points outside the archive; refusing to unpack it")
+        member.mode &= 0o755
+        member.uid = member.gid = 0
+        member.uname = member.gname = "root"
+        members.append(member)
+    return members
 
 
 def build(cache: Path, kind: str, jobs: int | None = None) -> Path:

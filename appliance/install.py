@@ -247,7 +247,7 @@ def uninstall(root: Path = Path("/"), purge: bool = False) -> Report:
         shutil.rmtree(engine_dir)
         report.did(f"removed {engine_dir}")
     if purge:
-        for directory in (paths.ETC, paths.STATE):
+        for directory in (paths.ETC, paths.STATE, engine.CACHE_DIR):
             target = root / directory.relative_to("/")
             if target.exists():
                 shutil.rmtree(target)
@@ -256,7 +256,7 @@ def uninstall(root: Path = Path("/"), purge: bool = False) -> Report:
             run(["userdel", paths.SERVICE_USER])
             report.did(f"removed the user {paths.SERVICE_USER}")
     else:
-        log(f"kept {paths.ETC} and {paths.STATE} (--purge removes them)")
+        log(f"kept {paths.ETC}, {paths.STATE} and {engine.CACHE_DIR} (--purge removes them)")
     if not report.changed:
         log("nothing to remove")
     return report

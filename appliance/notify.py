@@ -1,42 +1,47 @@
-"""sd_notify, loudly: sdnotify swallows every error unless debug is on, so a missing or broken
-NOTIFY_SOCKET would silently leave a Type=notify unit "activating" until its start timeout."""
+"""sd_notify, loudly: a missing or broken NOTIFY_SOCKET would silently leave a Type=notify unit
+"activating" until its start timeout, so every failure is logged (the sdnotify package swallows them).
+
+The protocol is one datagram of newline-separated KEY=VALUE fields on a Unix socket; a name that starts
+with "@" is in the abstract namespace (sd_notify(3)). The standard library is enough, which also spares a
+fresh machine a source-only dependency."""
 
 from __future__ import annotations
 
 import logging
 import os
-
-import sdnotify
+import socket
 
 log = logging.getLogger("llm-appliance.notify")
 
 
 class Notifier:
     def __init__(self, enabled: bool = True) -> None:
-        self.socket = os.environ.get("NOTIFY_SOCKET") if enabled else None
-        self._notifier: sdnotify.SystemdNotifier | None = None
+        self.address = os.environ.get("NOTIFY_SOCKET") if enabled else None
+        self._socket: socket.socket | None = None
         self._broken = False
-        if not self.socket:
+        if not self.address:
             if enabled:
                 log.info(
                     "NOTIFY_SOCKET is not set: not started by systemd as Type=notify, so READY/WATCHDOG go nowhere"
                 )
             return
+        address = "\0" + self.address[1:] if self.address.startswith("@") else self.address
         try:
-            self._notifier = sdnotify.SystemdNotifier(debug=True)  # connects at once
+            self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._socket.connect(address)  # connects at once, so a wrong path is said at start
         except OSError as exc:
             self._fail(exc)
 
     def _fail(self, exc: OSError) -> None:
         # Say so once: systemd will time the unit out, and the journal must say why.
         self._broken = True
-        log.error("cannot notify systemd through NOTIFY_SOCKET=%s: %s", self.socket, exc)
+        log.error("cannot notify systemd through NOTIFY_SOCKET=%s: %s", self.address, exc)
 
     def send(self, *fields: str) -> bool:
-        if self._notifier is None or self._broken:
+        if self._socket is None or self._broken:
             return False
         try:
-            self._notifier.notify("\n".join(fields))
+            self._socket.sendall("\n".join(fields).encode())
         except OSError as exc:
             self._fail(exc)
             return False

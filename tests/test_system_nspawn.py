@@ -1,7 +1,8 @@
-"""`sudo ./install.sh --demo` inside a freshly booted, real systemd (systemd-nspawn, recipe in
-shared/FACTS.md), then the appliance driven the way an admin drives it: systemctl, the journal, kill -9,
-a second install, uninstall. The container has its own network namespace (loopback only): pip installs
-from a wheelhouse built here, the engine comes from the host's build cache.
+"""`./install.sh --demo` run by an admin with sudo (the Ubuntu way; the fresh-machine test covers a root
+shell) inside a freshly booted, real systemd (systemd-nspawn over the host's /usr), then the appliance
+driven the way an admin drives it: systemctl, the journal, kill -9, a second install, uninstall. The
+container has its own network namespace (loopback only): pip installs from a wheelhouse built here, the
+engine comes from the host's build cache.
 
 The tests in this module run in order against one container.
 """
@@ -15,11 +16,11 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import REPO
+from machines import Machine, boot, checkout, host_root
 
 from appliance.engine import CACHE_DIR
 from appliance.models import SMOLLM2
@@ -28,69 +29,27 @@ pytestmark = [pytest.mark.system, pytest.mark.engine]
 VENV_PIP = Path("/opt/llm-appliance/venv/bin/pip")
 WHEELS_CACHE = CACHE_DIR / "test-wheels"
 SECURITY_BOUND = 2.0
+ADMIN = "admin"  # an unprivileged login with sudo, as on Ubuntu
+SRC = f"/home/{ADMIN}/llm-appliance"
 
 
-@dataclass
-class Machine:
-    root: Path
-    nspawn: subprocess.Popen[bytes]
-    init_pid: int
+def completion(machine: Machine) -> dict[str, object]:
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}],
+            "max_tokens": 48,
+            "temperature": 0,
+        }
+    )
+    out = machine.run(
+        f"curl -sf --max-time 60 http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+    ).stdout
+    return json.loads(out)  # type: ignore[no-any-return]
 
-    def run(
-        self, command: str, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        """A shell command inside the container, in all its namespaces."""
-        exports = " ".join(f"{k}={v}" for k, v in (env or {}).items())
-        argv = [
-            "nsenter",
-            "-t",
-            str(self.init_pid),
-            "-a",
-            "/usr/bin/env",
-            "-i",
-            "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
-            "HOME=/root",
-            *exports.split(),
-            "/bin/bash",
-            "-c",
-            command,
-        ]
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
-        if check and result.returncode != 0:
-            raise AssertionError(
-                f"`{command}` exited {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
-            )
-        return result
 
-    def wait_for(self, command: str, timeout: float, what: str) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            result = self.run(command, check=False, timeout=30)
-            if result.returncode == 0:
-                return result.stdout
-            if time.monotonic() > deadline:
-                journal = self.run("journalctl --no-pager -n 80 -u 'llm-appliance-*'", check=False).stdout
-                raise AssertionError(
-                    f"timed out waiting for {what}: {result.stdout[-500:]} {result.stderr[-500:]}\njournal:\n{journal}"
-                )
-            time.sleep(1)
-
-    def completion(self) -> dict[str, object]:
-        body = json.dumps(
-            {
-                "messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}],
-                "max_tokens": 48,
-                "temperature": 0,
-            }
-        )
-        out = self.run(
-            f"curl -sf --max-time 60 http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
-        ).stdout
-        return json.loads(out)  # type: ignore[no-any-return]
-
-    def server_pid(self) -> int:
-        """llama-server's pid inside the container (the launcher is the unit's MainPID)."""
-        return int(self.run("pgrep -u llm-appliance -x llama-server").stdout.split()[0])
+def server_pid(machine: Machine) -> int:
+    """llama-server's pid inside the container (the launcher is the unit's MainPID)."""
+    return int(machine.run("pgrep -u llm-appliance -x llama-server").stdout.split()[0])
 
 
 def _wheelhouse(target: Path) -> None:
@@ -118,98 +77,26 @@ def _wheelhouse(target: Path) -> None:
     shutil.copytree(WHEELS_CACHE, target)
 
 
-def _checkout(target: Path) -> None:
-    files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
-    ).stdout.split("\n")
-    for name in filter(None, files):
-        source = REPO / name
-        if source.is_file():
-            (target / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target / name)
-
-
 @pytest.fixture(scope="module")
 def machine(tmp_path_factory: pytest.TempPathFactory, smollm2: Path, engine_binary: Path) -> Iterator[Machine]:
-    if shutil.which("systemd-nspawn") is None:
-        pytest.fail("systemd-nspawn is missing: apt-get install systemd-container (tests/run does this)")
     root = tmp_path_factory.mktemp("machine")
-    root.chmod(0o755)  # mktemp's 0700 would give non-root services EACCES
-    for name in ("usr", "var", "tmp", "root", "opt", "home", "srv", "var/lib"):
-        (root / name).mkdir(exist_ok=True)
-    (root / "tmp").chmod(0o1777)
-    subprocess.run(["cp", "-a", "/etc", str(root / "etc")], check=True)
-    subprocess.run(["cp", "-a", "/var/lib/dpkg", str(root / "var/lib/dpkg")], check=True)
-    for stale in ("os-release", "machine-id"):
-        (root / "etc" / stale).unlink(missing_ok=True)
-    shutil.copy("/usr/lib/os-release", root / "etc/os-release")
-    subprocess.run(["systemd-machine-id-setup", f"--root={root}"], check=True, capture_output=True)
-    for wants in (root / "etc/systemd/system").glob("*.wants"):
-        shutil.rmtree(wants)  # boot systemd's own units, not the host's services
-    # A host that ran install.sh itself must not hand its installation to the fresh machine.
-    shutil.rmtree(root / "etc/llm-appliance", ignore_errors=True)
-    units = (root / "etc/systemd/system").glob("llm-appliance-*")
-    for leftover in [*units, *(root / "etc/polkit-1/rules.d").glob("*llm-appliance*")]:
-        leftover.unlink()
-    for link in ("bin", "sbin", "lib", "lib64"):
-        (root / link).symlink_to(f"usr/{link}")
+    host_root(root)
     models = root / "var/lib/llm-appliance/models"
     models.mkdir(parents=True)
     shutil.copy(smollm2, models / SMOLLM2)
-    _checkout(root / "root/src")
-    _wheelhouse(root / "root/wheels")
-    log = (root.parent / "boot.log").open("wb")
-    nspawn = subprocess.Popen(
-        [
-            "systemd-nspawn",
-            "--register=no",
-            "--keep-unit",
-            "--overlay=/usr::/usr",
-            "-D",
-            str(root),
-            "-b",
-            "-q",
-            "--private-network",
-            f"--bind={CACHE_DIR}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        init_pid = _container_init(nspawn.pid)
-        machine = Machine(root, nspawn, init_pid)
-        state = machine.run("timeout 120 systemctl is-system-running --wait", check=False, timeout=150).stdout.strip()
-        assert state in ("running", "degraded"), f"the container did not boot: {state}"
+    checkout(root / SRC.lstrip("/"))
+    _wheelhouse(root / "srv/wheels")
+    (root / "etc/pip.conf").write_text("[global]\nno-index = true\nfind-links = /srv/wheels\n")
+    with boot(root, f"--bind={CACHE_DIR}", overlay_usr=True) as machine:
+        machine.run(
+            f"useradd --create-home --shell /bin/bash {ADMIN} && chown -R {ADMIN}: /home/{ADMIN} && "
+            f"echo '{ADMIN} ALL=(ALL) NOPASSWD: ALL' > /etc/sudoers.d/{ADMIN} && chmod 0440 /etc/sudoers.d/{ADMIN}"
+        )
         yield machine
-    finally:
-        nspawn.terminate()
-        try:
-            nspawn.wait(60)
-        except subprocess.TimeoutExpired:
-            nspawn.kill()
-            nspawn.wait()
-
-
-def _container_init(nspawn_pid: int) -> int:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        children = subprocess.run(
-            ["ps", "-o", "pid=,args=", "--ppid", str(nspawn_pid)], capture_output=True, text=True
-        ).stdout
-        for line in children.splitlines():
-            pid, _, args = line.strip().partition(" ")
-            # nspawn's own helper child is named systemd-nspawn too: wait for the exec of init.
-            if "/lib/systemd/systemd" in args and "nspawn" not in args:
-                return int(pid)
-        time.sleep(0.2)
-    raise AssertionError("the container's init never appeared")
-
-
-OFFLINE_PIP = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "/root/wheels"}
 
 
 def test_install_sh_brings_up_the_demo_appliance(machine: Machine) -> None:
-    result = machine.run("cd /root/src && ./install.sh --demo", timeout=900, env=OFFLINE_PIP)
+    result = machine.run(f"su - {ADMIN} -c 'cd {SRC} && ./install.sh --demo'", timeout=900)
     assert "started llm-appliance-server.service" in result.stdout
     assert (
         machine.run("systemctl is-active llm-appliance-server.service").stdout.strip() == "active"
@@ -221,7 +108,7 @@ def test_install_sh_brings_up_the_demo_appliance(machine: Machine) -> None:
 
 
 def test_a_chat_completion_drafts_through_the_installed_appliance(machine: Machine) -> None:
-    answer = machine.completion()
+    answer = completion(machine)
     timings = answer["timings"]
     assert isinstance(timings, dict)
     assert timings["draft_n"] > 0 and timings["draft_n_accepted"] > 0
@@ -259,23 +146,23 @@ def test_stop_and_start_through_systemctl(machine: Machine) -> None:
 
 
 def test_a_killed_llama_server_comes_back_ready(machine: Machine) -> None:
-    before = machine.server_pid()
+    before = server_pid(machine)
     machine.run(f"kill -9 {before}")
     machine.wait_for(
         f"pgrep -u llm-appliance -x llama-server | grep -vx {before} && curl -sf http://127.0.0.1:8080/health",
         120,
         "a new, ready llama-server",
     )
-    assert machine.server_pid() != before
+    assert server_pid(machine) != before
     journal = machine.run("journalctl --no-pager -u llm-appliance-server.service").stdout
     assert "llama-server exited unexpectedly" in journal
 
 
 def test_a_second_install_changes_nothing(machine: Machine) -> None:
-    pid = machine.server_pid()
-    result = machine.run("cd /root/src && ./install.sh --demo", timeout=600, env=OFFLINE_PIP)
+    pid = server_pid(machine)
+    result = machine.run(f"cd {SRC} && ./install.sh --demo", timeout=600)
     assert "nothing to change" in result.stdout, result.stdout[-2000:]
-    assert machine.server_pid() == pid
+    assert server_pid(machine) == pid
 
 
 @pytest.mark.parametrize("unit", ["llm-appliance-server.service", "llm-appliance-health.service"])
@@ -302,7 +189,7 @@ def test_a_health_triggered_restart_is_seen_through_systemd(machine: Machine) ->
         timeout=300,
     )
     machine.wait_for("systemctl is-active llm-appliance-health.service", 60, "the health unit")
-    first = machine.server_pid()
+    first = server_pid(machine)
     (machine.root / "root/traffic.sh").write_text(
         "while true; do curl -s --max-time 30 http://127.0.0.1:8080/completion "
         '-d \'{"prompt":"def add(a, b):","n_predict":24,"temperature":0,"ignore_eos":true}\' >/dev/null; done\n'
@@ -341,7 +228,7 @@ def test_a_health_triggered_restart_is_seen_through_systemd(machine: Machine) ->
 
 
 def test_uninstall_leaves_no_unit_ruleset_or_process(machine: Machine) -> None:
-    machine.run("cd /root/src && ./install.sh --uninstall", timeout=300)
+    machine.run(f"cd {SRC} && ./install.sh --uninstall", timeout=300)
     assert "llm-appliance" not in machine.run("systemctl list-unit-files --no-pager").stdout
     assert machine.run("nft list table inet llm_appliance", check=False).returncode != 0
     assert machine.run("pgrep -u llm-appliance", check=False).returncode == 1
