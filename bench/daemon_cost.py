@@ -18,13 +18,13 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from appliance.gpu import Pynvml
-from appliance.load import load_spec
-from appliance.render import launch_document
-from appliance.server_api import ServerApi, ServerUnreachable
-from appliance.validate import validate
-from health.daemon import DaemonConfig, HealthDaemon
-from health.exporter import Metrics
+from appliance.facts.gpu import Pynvml
+from appliance.health.daemon import DaemonConfig, HealthDaemon
+from appliance.health.exporter import Metrics
+from appliance.plan.validate import validate
+from appliance.render.render import launch_document
+from appliance.runtime.server_api import ServerApi, ServerUnreachable
+from appliance.spec.load import load_spec
 
 PROMPT = "def fibonacci(n):\n"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,15 +43,15 @@ STEPS = (
 
 def timed_install(machine: Machine) -> tuple[list[tuple[float, str]], float]:
     """install.sh's output lines with the time each appeared; the time it returned."""
-    stamped = machine.run(
-        f"cd {CHECKOUT} && ./install.sh --demo 2>&1 | while IFS= read -r line; do "
-        'printf "%s %s\\n" "$(date +%s.%N)" "$line"; done; exit ${PIPESTATUS[0]}',
-        timeout=7200,
-    ).stdout
     lines = []
-    for entry in stamped.splitlines():
-        stamp, _, text = entry.partition(" ")
-        lines.append((float(stamp), text))
+    command = machine.argv(f"cd {CHECKOUT} && ./install.sh --demo 2>&1")
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, errors="replace") as install:
+        assert install.stdout is not None
+        for line in install.stdout:
+            lines.append((time.time(), line.rstrip("\n")))
+    if install.returncode != 0:
+        tail = "\n".join(text for _, text in lines[-40:])
+        raise SystemExit(f"install.sh exited {install.returncode}:\n{tail}")
     return lines, time.time()
 
 

@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from appliance.render import launch_document
-from appliance.server_api import ServerApi, ServerUnreachable
-from appliance.validate import validate
+from appliance.plan.validate import validate
+from appliance.render.render import launch_document
+from appliance.runtime.server_api import ServerApi, ServerUnreachable
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
@@ -42,7 +42,7 @@ def start(document: dict[str, object], work: Path) -> tuple[subprocess.Popen[byt
     env = {**os.environ, "NOTIFY_SOCKET": str(work / f"notify-{port}.sock")}
     t0 = time.monotonic()
     process = subprocess.Popen(
-        [sys.executable, "-m", "appliance.cli", "launch", "--plan", str(plan)],
+        [sys.executable, "-m", "appliance.cli.main", "launch", "--plan", str(plan)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -16,10 +16,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from gguf_fixtures import DRAFT_06B, TARGET_27B, write_model
 
-from appliance.dialect import builtin_dialect
-from appliance.gpu import GpuMemory
-from appliance.machine import MachineFacts
-from appliance.models import GEMMA3, SMOLLM2
+from appliance.facts.dialect import builtin_dialect
+from appliance.facts.gpu import GpuMemory
+from appliance.facts.machine import MachineFacts
+from appliance.ops.models import GEMMA3, SMOLLM2
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "etc" / "llm-appliance"
@@ -119,7 +119,7 @@ def appliance_up(tmp_path: Path) -> Iterator[UpProcess]:
             [
                 sys.executable,
                 "-m",
-                "appliance.cli",
+                "appliance.cli.main",
                 "up",
                 str(spec),
                 "--state-dir",

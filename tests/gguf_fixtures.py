@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.gguf import GGML_BLOCKS, _Reader
+from appliance.facts.gguf import GGML_BLOCKS, _Reader
 
 Q4_K, Q6_K, F32 = 12, 14, 0
 FILE_TYPE_Q4_K_M = 15

@@ -39,8 +39,16 @@ class Machine:
         self, command: str, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess[str]:
         """A shell command inside the container, in all its namespaces, with a minimal environment."""
+        result = subprocess.run(self.argv(command, env), capture_output=True, text=True, timeout=timeout, check=False)
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"`{command}` exited {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+            )
+        return result
+
+    def argv(self, command: str, env: dict[str, str] | None = None) -> list[str]:
         exports = [f"{k}={v}" for k, v in (env or {}).items()]
-        argv = [
+        return [
             "nsenter",
             "-t",
             str(self.init_pid),
@@ -55,12 +63,6 @@ class Machine:
             "-c",
             command,
         ]
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
-        if check and result.returncode != 0:
-            raise AssertionError(
-                f"`{command}` exited {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
-            )
-        return result
 
     def on_network(self, argv: Sequence[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """A host program (curl, python) in the container's network namespace only: a fresh box need not

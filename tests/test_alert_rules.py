@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE_FACTS, EXAMPLES, INSTALLED_MODELS
 
-from appliance.apply import installed_spec_path
-from appliance.load import load_spec
-from appliance.problems import SpecInvalid
-from appliance.render import duration, render
-from appliance.spec import AlertForSeconds, Spec
-from appliance.validate import validate
+from appliance.plan.validate import validate
+from appliance.render.apply import installed_spec_path
+from appliance.render.render import duration, render
+from appliance.spec.load import load_spec
+from appliance.spec.model import AlertForSeconds, Spec
+from appliance.spec.problems import SpecInvalid
 
 RULES = "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml"
 SCRAPE = "etc/llm-appliance/rendered/prometheus/scrape.yml"

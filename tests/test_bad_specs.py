@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE_FACTS, gpu_facts
 
-from appliance.machine import MachineFacts
-from appliance.problems import Problem, Severity, SpecInvalid, report
-from appliance.validate import validate
+from appliance.facts.machine import MachineFacts
+from appliance.plan.validate import validate
+from appliance.spec.problems import Problem, Severity, SpecInvalid, report
 
 TARGET_PATH = 'path = "$MODELS/target-27b-Q4_K_M.gguf"'
 DRAFT_PATH = 'path = "$MODELS/draft-0.6b-Q4_K_M.gguf"'

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance import cli
-from appliance.bench import (
+import appliance.cli.main as cli
+from appliance.health import versions
+from appliance.health.detectors import CANARY_BUCKET
+from appliance.measure.bench import (
     CHAT_MARGIN,
     NO_DRAFT,
     BenchError,
@@ -31,12 +33,10 @@ from appliance.bench import (
     prepare,
     server_argv,
 )
-from appliance.chart import draw_bench_chart
-from appliance.render import launch_document
-from appliance.server_api import ServerApi, ServerUnreachable
-from appliance.validate import validate
-from health import versions
-from health.detectors import CANARY_BUCKET
+from appliance.measure.chart import draw_bench_chart
+from appliance.plan.validate import validate
+from appliance.render.render import launch_document
+from appliance.runtime.server_api import ServerApi, ServerUnreachable
 
 
 def rough_count(text: str) -> int:
@@ -52,7 +52,7 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def test_the_suite_is_versioned_and_ships_inside_the_package() -> None:
-    shipped = resources.files("appliance").joinpath("prompts", "suite-v1.json")
+    shipped = resources.files("appliance.measure").joinpath("prompts", "suite-v1.json")
     assert shipped.is_file()
     suite = load_suite()
     assert suite.version == "suite-v1"
@@ -226,7 +226,7 @@ def test_bench_standalone_measures_every_workload_with_and_without_the_draft(
     assert set(written.decode_tps) == {f"workload:{n}" for n in rows} | {CANARY_BUCKET}
     assert written.decode_tps["workload:chat"] == pytest.approx(rows["chat"]["draft"]["decode_tps"]["median"], rel=1e-3)
     assert set(written.versions) == {"driver", "cuda", "llama_cpp"}
-    from appliance.gpu import Pynvml
+    from appliance.facts.gpu import Pynvml
 
     found = versions.detect(Pynvml(), Path("/opt/llm-appliance/engine"))
     assert versions.drift(written.versions, found) == []  # fresh: not stale

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-import appliance.apply
-import appliance.machine
-from appliance.apply import ApplyError, Change, write, write_atomically
-from appliance.cli import EXIT_APPLY, EXIT_INVALID, EXIT_OK, EXIT_USAGE, main, spec_schema
-from appliance.gpu import NvmlUnavailable
-from appliance.load import load_spec
-from appliance.machine import find_binary
-from appliance.models import SMOLLM2
+import appliance.facts.machine
+import appliance.render.apply
+from appliance.cli.main import EXIT_APPLY, EXIT_INVALID, EXIT_OK, EXIT_USAGE, main, spec_schema
+from appliance.facts.gpu import NvmlUnavailable
+from appliance.facts.machine import find_binary
+from appliance.ops.models import SMOLLM2
+from appliance.render.apply import ApplyError, Change, write, write_atomically
+from appliance.spec.load import load_spec
 
 CLI = Path(sys.executable).parent / "llm-appliance"
 RENDERED = [
@@ -49,7 +49,7 @@ Run = Callable[..., tuple[int, str, str]]
 
 @pytest.fixture
 def cli(capsys: pytest.CaptureFixture[str]) -> Run:
-    """appliance.cli.main in this process: (exit code, stdout, stderr)."""
+    """appliance.cli.main.main in this process: (exit code, stdout, stderr)."""
 
     def run(*args: str | Path) -> tuple[int, str, str]:
         capsys.readouterr()
@@ -118,7 +118,7 @@ class NoNvml:
 def test_gpu_spec_without_memory_is_refused_without_nvml(
     cli: Run, example: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(appliance.machine, "Pynvml", NoNvml)
+    monkeypatch.setattr(appliance.facts.machine, "Pynvml", NoNvml)
     spec = example("appliance.toml")
     code, out, err = cli("validate", spec)
     assert (code, out) == (EXIT_INVALID, "")
@@ -325,7 +325,7 @@ def test_apply_whose_write_fails_exits_3_and_leaves_no_temporary(
     def full_disk(src: object, dst: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(appliance.apply.os, "replace", full_disk)
+    monkeypatch.setattr(appliance.render.apply.os, "replace", full_disk)
     code, out, err = cli("apply", demo, "--root", root)
     assert code == EXIT_APPLY
     # The changes were listed before the write failed on the first of them.
@@ -353,7 +353,7 @@ def test_write_atomically_keeps_the_old_file_when_the_write_fails(
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(appliance.apply.os, failing, broken)
+    monkeypatch.setattr(appliance.render.apply.os, failing, broken)
     with pytest.raises(OSError, match="Input/output error"):
         write_atomically(target, "new\n")
     assert target.read_text() == "old\n"
@@ -367,7 +367,7 @@ def test_write_atomically_leaves_no_temporary_when_interrupted(tmp_path: Path, m
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(appliance.apply.os, "fsync", interrupted)
+    monkeypatch.setattr(appliance.render.apply.os, "fsync", interrupted)
     with pytest.raises(KeyboardInterrupt):
         write_atomically(target, "new\n")
     assert target.read_text() == "old\n"
@@ -395,7 +395,7 @@ def test_write_stops_at_the_first_failure(tmp_path: Path, monkeypatch: pytest.Mo
             raise OSError(28, "No space left on device")
         real_replace(src, dst)
 
-    monkeypatch.setattr(appliance.apply.os, "replace", second_fails)
+    monkeypatch.setattr(appliance.render.apply.os, "replace", second_fails)
     found = [Change("a", None, "A\n"), Change("b", None, "B\n"), Change("c", None, "C\n")]
     with pytest.raises(ApplyError, match=r"cannot write .*/b: No space left on device; nothing after it was written"):
         write(found, tmp_path)

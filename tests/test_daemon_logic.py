@@ -1,7 +1,7 @@
 """HealthDaemon's decisions, driven with fakes behind its small interfaces and a fake clock.
 
-FakeNvml stands for appliance.gpu.Nvml, FakeControl for health.units.ServerControl, FakeApi for
-appliance.server_api.ServerApi. The server process is this test process: the daemon counts the GPU
+FakeNvml stands for appliance.facts.gpu.Nvml, FakeControl for appliance.health.units.ServerControl, FakeApi for
+appliance.runtime.server_api.ServerApi. The server process is this test process: the daemon counts the GPU
 memory of the descendants of control.main_pid(), found through /proc.
 """
 
@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from appliance.gpu import MISMATCH_FIX, GpuMemory, GpuProcess, NvmlUnavailable
-from appliance.server_api import ServerApi, ServerUnreachable
-from appliance.spec import Spec
-from health.daemon import CANARY_PROMPT, DaemonConfig, HealthDaemon, Observation
-from health.exporter import Metrics
-from health.state import RestartLog
-from health.units import UnitError
-from health.versions import Baseline
+from appliance.facts.gpu import MISMATCH_FIX, GpuMemory, GpuProcess, NvmlUnavailable
+from appliance.health.daemon import CANARY_PROMPT, DaemonConfig, HealthDaemon, Observation
+from appliance.health.exporter import Metrics
+from appliance.health.state import RestartLog
+from appliance.health.units import UnitError
+from appliance.health.versions import Baseline
+from appliance.runtime.server_api import ServerApi, ServerUnreachable
+from appliance.spec.model import Spec
 
 GIB = 1 << 30
 MIB = 1 << 20

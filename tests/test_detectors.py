@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from health.detectors import (
+from appliance.health.detectors import (
     CounterSample,
     CreepDetector,
     DecayDetector,

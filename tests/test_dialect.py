@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from appliance.dialect import Dialect, builtin_dialect, parse_help, read_binary_dialect
-from appliance.load import load_spec
-from appliance.plan import build_argv
-from appliance.problems import Severity
-from appliance.validate import validate
+from appliance.facts.dialect import Dialect, builtin_dialect, parse_help, read_binary_dialect
+from appliance.plan.plan import build_argv
+from appliance.plan.validate import validate
+from appliance.spec.load import load_spec
+from appliance.spec.problems import Severity
 
 OLDER_HELP = Path(__file__).parent / "data" / "llama-server-older.help.txt"
 BINARY = "/opt/llm-appliance/engine/bin/llama-server"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import engine
-from appliance.cli import main
+from appliance.cli.main import main
+from appliance.ops import engine
 
 pytestmark = pytest.mark.engine
 

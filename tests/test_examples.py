@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE_FACTS, INSTALLED_MODELS
 
-from appliance.apply import installed_spec_path
-from appliance.render import render
-from appliance.validate import validate
+from appliance.plan.validate import validate
+from appliance.render.apply import installed_spec_path
+from appliance.render.render import render
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from health.exporter import PREFIX, PROBES, RESTART_REASONS, Metrics
+from appliance.health.exporter import PREFIX, PROBES, RESTART_REASONS, Metrics
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden" / "exporter-help.txt"
@@ -54,7 +54,8 @@ def test_probe_error_counters_exist_at_zero(probe: str) -> None:
 def test_every_reason_and_probe_the_code_uses_is_created_at_start() -> None:
     # An alert on increase(...[6h]) needs its series before the first increment.
     code = "\n".join(
-        (REPO / path).read_text() for path in ("health/daemon.py", "health/service.py", "appliance/cli.py")
+        (REPO / path).read_text()
+        for path in ("appliance/health/daemon.py", "appliance/runtime/service.py", "appliance/cli/main.py")
     )
     probes = set(re.findall(r'probe_errors\.labels\("(\w+)"\)', code))
     assert probes and probes <= set(PROBES), probes - set(PROBES)

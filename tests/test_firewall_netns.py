@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE_FACTS, EXAMPLES, INSTALLED_MODELS
 
-from appliance import paths
-from appliance.render import render
-from appliance.validate import validate
+from appliance.plan.validate import validate
+from appliance.render.render import render
+from appliance.system import paths
 
 pytestmark = pytest.mark.system
 

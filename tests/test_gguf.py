@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance.gguf import GGUFError, ModelInfo, Tensor, read_model
-from appliance.plan import budgets, gpu_weight_bytes, kv_bytes_per_token, kv_cells
-from appliance.spec import Spec
+from appliance.facts.gguf import GGUFError, ModelInfo, Tensor, read_model
+from appliance.plan.plan import budgets, gpu_weight_bytes, kv_bytes_per_token, kv_cells
+from appliance.spec.model import Spec
 
 MIB = 1 << 20
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from appliance.install import Options, driver_packages, hold_driver, install, uninstall
-from appliance.models import SMOLLM2
+from appliance.ops.install import Options, driver_packages, hold_driver, install, uninstall
+from appliance.ops.models import SMOLLM2
 
 pytestmark = pytest.mark.engine
 

@@ -1,4 +1,4 @@
-"""appliance.gpu.Pynvml: the real pynvml where no NVIDIA library exists, and fake pynvml modules."""
+"""appliance.facts.gpu.Pynvml: the real pynvml where no NVIDIA library exists, and fake pynvml modules."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from appliance.gpu import GpuMemory, GpuProcess, NvmlUnavailable, Pynvml
+from appliance.facts.gpu import GpuMemory, GpuProcess, NvmlUnavailable, Pynvml
 
 GIB = 1 << 30
 

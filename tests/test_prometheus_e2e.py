@@ -25,12 +25,12 @@ from typing import Any
 
 import pytest
 from conftest import UpProcess
-from test_health_daemon import server_pids, wait_until
+from test_health_daemon import server_pids, wait_ready, wait_until
 from test_launch import free_port
 
-from appliance.render import render
-from appliance.server_api import ServerApi, ServerUnreachable
-from appliance.validate import validate
+from appliance.plan.validate import validate
+from appliance.render.render import render
+from appliance.runtime.server_api import ServerApi, ServerUnreachable
 
 pytestmark = [pytest.mark.engine, pytest.mark.system]
 
@@ -38,6 +38,13 @@ PROMETHEUS = Path(os.environ.get("PROMETHEUS", "/usr/bin/prometheus"))
 RULES = "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml"
 SCRAPE = "etc/llm-appliance/rendered/prometheus/scrape.yml"
 FOR_SECONDS = 2
+INTERVAL_SECONDS = 1  # the daemon's checks, Prometheus's scrapes and its rule evaluations alike
+# Prometheus applies its scrape targets only this long after it starts (its discovery manager's fixed update
+# period) while it evaluates rules at once.
+TARGETS_SECONDS = 5
+# One alert's way, firing or resolving: a check of the daemon, a scrape, the rule's `for:`, an evaluation. A busy
+# 2-core box may stretch each several times over; every wait ends at its event, so only a failure waits this long.
+ALERT_SECONDS = 10 * (INTERVAL_SECONDS + INTERVAL_SECONDS + FOR_SECONDS + INTERVAL_SECONDS)
 
 
 def fast_spec(example: Callable[..., Path], server_port: int, exporter_port: int) -> Path:
@@ -47,9 +54,10 @@ def fast_spec(example: Callable[..., Path], server_port: int, exporter_port: int
             "port = 8080": f"port = {server_port}",
             "port = 9478": f"port = {exporter_port}",
             # A stopped server is down, not hung: `consecutive` high enough that no restart cures it for us.
-            "interval_seconds = 10": "interval_seconds = 1\nconsecutive = 100",
+            "interval_seconds = 10": f"interval_seconds = {INTERVAL_SECONDS}\nconsecutive = 100",
             "canary_after_idle_seconds = 60": "canary_after_idle_seconds = 0",
-            'labels = { appliance = "demo" }': 'labels = { appliance = "demo" }\nscrape_interval_seconds = 1\n'
+            'labels = { appliance = "demo" }': 'labels = { appliance = "demo" }\n'
+            f"scrape_interval_seconds = {INTERVAL_SECONDS}\n"
             f"alert_for_seconds = {{ server_down = {FOR_SECONDS}, health_daemon_down = {FOR_SECONDS} }}",
         },
     )
@@ -64,7 +72,7 @@ def prometheus_config(spec: Path, directory: Path) -> Path:
     jobs = "".join(f"  {line}\n" for line in files[SCRAPE].splitlines() if line.strip())
     config = directory / "prometheus.yml"
     config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"global:\n  scrape_interval: {INTERVAL_SECONDS}s\n  evaluation_interval: {INTERVAL_SECONDS}s\n"
         f"rule_files:\n  - {directory / RULES}\nscrape_configs:\n{jobs}"
     )
     return config
@@ -160,7 +168,7 @@ def test_alerts_fire_and_resolve_in_a_real_prometheus(
     config = prometheus_config(spec, tmp_path / "prometheus")
     up, output = appliance_up(spec)
     api = ServerApi(f"http://127.0.0.1:{server_port}", timeout=2)
-    wait_until(lambda: len(server_pids(output)) == 1 and healthy(api), 90, "the server to be ready")
+    wait_ready(up, output, 1)
     server = server_pids(output)[0]
     t(f"appliance up: llama-server pid {server}, `up` pid {up.pid}")
 
@@ -176,8 +184,8 @@ def test_alerts_fire_and_resolve_in_a_real_prometheus(
                 and bool(prometheus.query('up{job="llm-appliance-llama-server", appliance="demo"} == 1'))
                 and bool(prometheus.query('llm_appliance_server_up{appliance="demo"} == 1'))
             ),
-            30,
-            f"both jobs scraped\n{t}",
+            TARGETS_SECONDS + ALERT_SECONDS,
+            lambda: f"both jobs scraped\n{t}",
         )
         assert prometheus.query('count({job="llm-appliance-llama-server", __name__=~"llamacpp:.+"}) > 0')
         rules = prometheus.get("/api/v1/rules")["groups"][0]["rules"]
@@ -193,7 +201,7 @@ def test_alerts_fire_and_resolve_in_a_real_prometheus(
             seen.update((a["labels"]["alertname"], a["state"]) for a in active)
             return active == []
 
-        wait_until(quiet, 20, f"no active alerts: {prometheus.alerts()}\n{t}")
+        wait_until(quiet, TARGETS_SECONDS + ALERT_SECONDS, lambda: f"no active alerts: {prometheus.alerts()}\n{t}")
         if seen:
             t(f"while Prometheus started: {sorted(seen)}")
         t("both jobs scraped, no active alerts")
@@ -202,7 +210,11 @@ def test_alerts_fire_and_resolve_in_a_real_prometheus(
         os.kill(server, signal.SIGSTOP)
         stopped = t("llama-server SIGSTOPped")
         try:
-            wait_until(lambda: bool(prometheus.firing("LlmApplianceServerDown")), 30, f"ServerDown firing\n{t}")
+            wait_until(
+                lambda: bool(prometheus.firing("LlmApplianceServerDown")),
+                ALERT_SECONDS,
+                lambda: f"ServerDown firing\n{t}",
+            )
             alert = prometheus.firing("LlmApplianceServerDown")[0]
             fired = t(f"LlmApplianceServerDown firing (job {alert['labels']['job']}, active since {alert['activeAt']})")
         finally:
@@ -213,7 +225,11 @@ def test_alerts_fire_and_resolve_in_a_real_prometheus(
         assert alert["annotations"]["summary"] == f"llama-server has not been ready for {FOR_SECONDS}s"
         assert fired - stopped >= FOR_SECONDS
         assert prometheus.firing("LlmApplianceHealthDaemonDown") == []  # the daemon is scraped all along
-        wait_until(lambda: prometheus.alerts("LlmApplianceServerDown") == [], 30, f"ServerDown resolved\n{t}")
+        wait_until(
+            lambda: prometheus.alerts("LlmApplianceServerDown") == [],
+            ALERT_SECONDS,
+            lambda: f"ServerDown resolved\n{t}",
+        )
         t("LlmApplianceServerDown resolved")
         assert healthy(api)
 
@@ -222,7 +238,9 @@ def test_alerts_fire_and_resolve_in_a_real_prometheus(
         t("`up` (launcher, health daemon, exporter) SIGSTOPped; llama-server keeps running")
         try:
             wait_until(
-                lambda: bool(prometheus.firing("LlmApplianceHealthDaemonDown")), 30, f"HealthDaemonDown firing\n{t}"
+                lambda: bool(prometheus.firing("LlmApplianceHealthDaemonDown")),
+                ALERT_SECONDS,
+                lambda: f"HealthDaemonDown firing\n{t}",
             )
             alert = prometheus.firing("LlmApplianceHealthDaemonDown")[0]
             t("LlmApplianceHealthDaemonDown firing")
@@ -236,10 +254,16 @@ def test_alerts_fire_and_resolve_in_a_real_prometheus(
             "appliance": "demo",
         }
         wait_until(
-            lambda: prometheus.alerts("LlmApplianceHealthDaemonDown") == [], 30, f"HealthDaemonDown resolved\n{t}"
+            lambda: prometheus.alerts("LlmApplianceHealthDaemonDown") == [],
+            ALERT_SECONDS,
+            lambda: f"HealthDaemonDown resolved\n{t}",
         )
         t("LlmApplianceHealthDaemonDown resolved")
-        wait_until(lambda: prometheus.alerts() == [], 20, f"no active alerts at the end: {prometheus.alerts()}\n{t}")
+        wait_until(
+            lambda: prometheus.alerts() == [],
+            ALERT_SECONDS,
+            lambda: f"no active alerts at the end: {prometheus.alerts()}\n{t}",
+        )
         assert server_pids(output) == [server]  # nothing was cured by a restart: the alerts followed the real state
         assert up.poll() is None
     finally:

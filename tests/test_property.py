@@ -23,13 +23,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from appliance.apply import installed_spec_path
-from appliance.load import LoadedSpec, parse_spec
-from appliance.problems import Problem, SpecInvalid
-from appliance.render import render
-from appliance.spec import Spec
-from appliance.validate import Validated, validate
-from appliance.vocab import read_vocab
+from appliance.facts.vocab import read_vocab
+from appliance.plan.validate import Validated, validate
+from appliance.render.apply import installed_spec_path
+from appliance.render.render import render
+from appliance.spec.load import LoadedSpec, parse_spec
+from appliance.spec.model import Spec
+from appliance.spec.problems import Problem, SpecInvalid
 
 PROPERTY = settings(
     max_examples=int(os.environ.get("PROPERTY_EXAMPLES", "200")),  # more for a long bug hunt

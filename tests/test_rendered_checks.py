@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE_FACTS
 
-from appliance import paths
-from appliance.apply import installed_spec_path
-from appliance.render import render
-from appliance.validate import validate
+from appliance.plan.validate import validate
+from appliance.render.apply import installed_spec_path
+from appliance.render.render import render
+from appliance.system import paths
 
 pytestmark = pytest.mark.system
 

@@ -22,8 +22,8 @@ import pytest
 from conftest import REPO
 from machines import Machine, boot, checkout, host_root
 
-from appliance.engine import CACHE_DIR
-from appliance.models import SMOLLM2
+from appliance.ops.engine import CACHE_DIR
+from appliance.ops.models import SMOLLM2
 
 pytestmark = [pytest.mark.system, pytest.mark.engine]
 VENV_PIP = Path("/opt/llm-appliance/venv/bin/pip")
@@ -102,7 +102,9 @@ def test_install_sh_brings_up_the_demo_appliance(machine: Machine) -> None:
         machine.run("systemctl is-active llm-appliance-server.service").stdout.strip() == "active"
     )  # start waited for READY
     machine.wait_for(
-        "systemctl is-active llm-appliance-health.service", 60, "the health unit (READY after its first check)"
+        "systemctl is-active llm-appliance-health.service",
+        60,
+        "the health unit (READY after its first check)",
     )
     assert machine.run("systemctl is-active llm-appliance-restart.timer").stdout.strip() == "active"
 

@@ -1,5 +1,5 @@
-"""tune: the one-parameter-at-a-time search, checked on made-up landscapes and against a real exhaustive sweep,
-and `tune --write` for real on a copy of the demo spec."""
+"""tune: the one-parameter-at-a-time search, checked on made-up landscapes and replayed on a recorded exhaustive
+sweep of the real server, and `tune --write` for real on a copy of the demo spec."""
 
 from __future__ import annotations
 
@@ -7,15 +7,20 @@ import json
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from appliance import cli
-from appliance.bench import BenchError, Config
-from appliance.load import parse_spec
-from appliance.tune import (
+import appliance.cli.main as cli
+from appliance.health import versions
+from appliance.health.detectors import CANARY_BUCKET
+from appliance.measure.bench import BenchError, Config
+from appliance.measure.tune import (
+    N_MAX_GRID,
     Memo,
+    Param,
     ServerMeasure,
+    Value,
     default_params,
     descend,
     exhaustive,
@@ -28,9 +33,8 @@ from appliance.tune import (
     tune,
     updated_spec,
 )
-from appliance.validate import validate
-from health import versions
-from health.detectors import CANARY_BUCKET
+from appliance.plan.validate import validate
+from appliance.spec.load import parse_spec
 
 START = Config(True, 6, 0, 0.0)
 DEMO = Path(__file__).resolve().parent.parent / "etc" / "llm-appliance" / "demo.toml"
@@ -164,41 +168,86 @@ def test_write_keeps_the_spec_as_written_and_adds_the_tuning_section(tmp_path: P
     assert tomllib.loads(again)["tuning"]["measured_at"] == "2026-01-02T00:00:00+00:00"
 
 
-# Against the real llama-server -------------------------------------------------------------------
+# A recorded sweep of the real server ----------------------------------------------------------------
+#
+# What the search decides is checked on measurements made once and kept: every configuration of SWEEP_GRIDS
+# on the demo pair, measured with the real llama-server by record_sweep(). Replayed, the same numbers give the
+# same decision on any machine, however busy; live numbers belong to `llm-appliance bench` and `tune`.
+
+SWEEP = Path(__file__).resolve().parent / "data" / "tune-sweep-demo.json"
+SWEEP_GRIDS: dict[str, list[Value]] = {"n_max": list(N_MAX_GRID), "n_min": [0, 2], "p_min": [0.0, 0.4, 0.8]}
+SWEEP_WORKLOADS = ["chat", "code", "prose-en"]
 
 
-@pytest.mark.engine
-def test_the_search_lands_within_3_percent_of_an_exhaustive_sweep_with_fewer_measurements(
-    example: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+def recorded_sweep() -> tuple[Config, list[Param], dict[Config, dict[str, float]]]:
+    document = json.loads(SWEEP.read_text())
+    params = default_params(document["grids"])
+    table = {Config(**entry["config"]): entry["decode_tps"] for entry in document["measured"]}
+    return Config(**document["start"]), params, table
+
+
+def test_the_search_lands_within_3_percent_of_a_recorded_exhaustive_sweep_with_fewer_measurements(
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    validated = validate(example("demo.toml"))
-    weights = {"chat": 1.0, "prose-en": 1.0}
-    # n_max alone: on this pair its effect is large, so the table's best is not a matter of noise. A grid of
-    # n_min/p_min too (effects within the run-to-run noise of a shared 2-core box) made the exhaustive
-    # "best" an unmeasured noisy corner in about one run in ten.
-    params = default_params({"n_max": [1, 2, 4, 8, 16], "n_min": [0], "p_min": [0.0]})
-    start = Config.of(validated.plan.spec)
-    table = exhaustive(start, params, ServerMeasure(validated, list(weights), reps=2, tokens=32))
-    assert len(table) == 5
-
-    replay = Landscape(lambda config: table[config])  # the same measurements, none made again
+    start, params, table = recorded_sweep()
+    assert sorted(table, key=repr) == sorted(grid_configs(start, params), key=repr)  # the whole grid, once each
+    weights = dict.fromkeys(SWEEP_WORKLOADS, 1.0)
+    replay = Landscape(lambda config: table[config])  # the recorded measurements, none made again
     result = tune(start, weights, params, replay)
     mix = harmonic_mix(weights)
     best = max(table, key=lambda c: mix(table[c]))
     with capsys.disabled():
-        print(f"\nexhaustive sweep of the demo pair (median of 2, 32 tokens; mix {weights}):")
-        for config, rates in sorted(table.items(), key=lambda item: -mix(item[1])):
-            mark = " <- exhaustive best" if config == best else " <- tune's choice" if config == result.choice else ""
-            print(
-                f"  {config.label():<28} "
-                + " ".join(f"{n} {r:6.1f}" for n, r in rates.items())
-                + f"  mix {mix(rates):6.1f}{mark}"
-            )
         print(
+            f"\nrecorded sweep ({len(table)} configurations): best {best.label()} at {mix(table[best]):.1f}; "
             f"tune: {result.measurements} measurements, choice {result.choice.label()} at {result.mix(result.choice):.1f}"
         )
     assert result.mix(result.choice) >= 0.97 * mix(table[best])
-    assert result.measurements == len(replay.calls) < len(table)
+    assert result.measurements == len(replay.calls) < len(table) / 2
+
+
+def record_sweep(path: Path = SWEEP, reps: int = 3, tokens: int = 32) -> None:
+    """Measure every configuration of SWEEP_GRIDS on the demo pair with the real server and write `path`.
+
+    Run it on a machine with the engine and the demo models installed (.ci/run does that), nothing else busy:
+    `python tests/test_tune.py`. It starts one server per configuration and takes some minutes; the file is
+    written after each one, so an interrupted run leaves what it measured (and the test refuses a partial grid)."""
+    import os
+
+    from appliance.facts.machine import find_binary
+    from appliance.measure.bench import Progress, load_suite
+    from appliance.ops.engine import version_line
+
+    validated = validate(DEMO)
+    binary = find_binary(validated.plan.spec)
+    assert binary is not None, "no llama-server: install the engine first"
+    params = default_params(SWEEP_GRIDS)
+    start = Config.of(validated.plan.spec)
+    document: dict[str, Any] = {
+        "recorded_by": "tests/test_tune.py record_sweep()",
+        "spec": "etc/llm-appliance/demo.toml",
+        "engine": version_line(binary),
+        "cpus": os.cpu_count(),
+        "suite": load_suite(None).version,
+        "reps": reps,
+        "tokens": tokens,
+        "grids": SWEEP_GRIDS,
+        "start": start.to_json(),
+        "measured": [],
+    }
+    server = ServerMeasure(validated, SWEEP_WORKLOADS, reps, tokens, progress=Progress())
+
+    def measure(config: Config) -> Mapping[str, float]:
+        rates = server(config)
+        entry = {"config": config.to_json(), "decode_tps": {name: round(rate, 3) for name, rate in rates.items()}}
+        document["measured"].append(entry)
+        path.write_text(json.dumps(document, indent=1) + "\n")
+        return rates
+
+    table = exhaustive(start, params, measure)
+    print(f"wrote {path}: {len(table)} configurations")
+
+
+# Against the real llama-server -------------------------------------------------------------------
 
 
 @pytest.mark.engine
@@ -245,3 +294,7 @@ def test_options_that_cannot_work_are_usage_errors(
     assert cli.main(["bench", spec, "--standalone", "--tokens", "0", "--no-baseline"]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "--tolerance" in err and "no workload poetry" in err and "--tokens" in err
+
+
+if __name__ == "__main__":
+    record_sweep()

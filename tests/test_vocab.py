@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.vocab import (
+from appliance.facts.vocab import (
     SPEC_VOCAB_CHECK_START_TOKEN_ID,
     SPEC_VOCAB_MAX_SIZE_DIFFERENCE,
     Vocab,

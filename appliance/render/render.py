@@ -14,8 +14,9 @@ from typing import Any
 
 import jinja2
 
-from appliance import __version__, paths
-from appliance.plan import Plan, draft_devices, gpu_devices
+from appliance import __version__
+from appliance.plan.plan import Plan, draft_devices, gpu_devices
+from appliance.system import paths
 
 # Device nodes every CUDA process opens, besides /dev/nvidiaN of its GPUs.
 GPU_COMMON_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
@@ -191,7 +192,7 @@ def _environment() -> jinja2.Environment:
 def templates_dir() -> Path:
     """Installed: appliance/templates inside the wheel. From a checkout: the top-level templates/."""
     packaged = Path(str(resources.files("appliance").joinpath("templates")))
-    return packaged if packaged.is_dir() else Path(__file__).resolve().parent.parent / "templates"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "templates"
 
 
 def render(plan: Plan, spec_file: Path) -> dict[str, str]:

@@ -13,18 +13,20 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from appliance import __version__, engine, models, paths
-from appliance.apply import ApplyError, changes, installed_spec_path, reload_system, write
-from appliance.dialect import builtin_dialect, read_binary_dialect
-from appliance.install import InstallError
-from appliance.launch import Launcher, LaunchPlan
-from appliance.load import load_spec
-from appliance.plan import lines
-from appliance.problems import SpecInvalid, report
-from appliance.render import launch_document, render
-from appliance.spec import Spec
-from appliance.validate import Validated, validate
-from health.exporter import ExporterUnavailable
+from appliance import __version__
+from appliance.facts.dialect import builtin_dialect, read_binary_dialect
+from appliance.health.exporter import ExporterUnavailable
+from appliance.ops import engine, models
+from appliance.ops.install import InstallError
+from appliance.plan.plan import lines
+from appliance.plan.validate import Validated, validate
+from appliance.render.apply import ApplyError, changes, installed_spec_path, reload_system, write
+from appliance.render.render import launch_document, render
+from appliance.runtime.launch import Launcher, LaunchPlan
+from appliance.spec.load import load_spec
+from appliance.spec.model import Spec
+from appliance.spec.problems import SpecInvalid, report
+from appliance.system import paths
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_APPLY, EXIT_ENGINE = 0, 1, 2, 3, 4
 
@@ -173,7 +175,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """What the units do, in the foreground, for machines where systemd is not PID 1."""
-    from health.service import up
+    from appliance.runtime.service import up
 
     result = _validated(args.spec)
     plan = LaunchPlan.from_document(launch_document(result.plan))
@@ -184,38 +186,38 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from health.service import run_daemon
+    from appliance.runtime.service import run_daemon
 
     return run_daemon(args.spec)
 
 
 def cmd_check_versions(args: argparse.Namespace) -> int:
-    from health.service import check_versions
+    from appliance.runtime.service import check_versions
 
     return check_versions(args.spec)
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
-    from health.service import restart_when_idle
+    from appliance.runtime.service import restart_when_idle
 
     return restart_when_idle(args.spec, args.reason)
 
 
 def cmd_install(args: argparse.Namespace) -> int:
-    from appliance.install import main_install
+    from appliance.ops.install import main_install
 
     return main_install(args.repo, args.spec, args.demo, args.root, not args.no_start)
 
 
 def cmd_uninstall(args: argparse.Namespace) -> int:
-    from appliance.install import uninstall
+    from appliance.ops.install import uninstall
 
     uninstall(args.root, args.purge)
     return EXIT_OK
 
 
 def cmd_hold_driver(args: argparse.Namespace) -> int:
-    from appliance.install import hold_driver
+    from appliance.ops.install import hold_driver
 
     hold_driver(hold=args.command == "hold-driver")
     return EXIT_OK
@@ -228,7 +230,7 @@ def _baseline_path(args: argparse.Namespace, result: Validated) -> Path | None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from appliance.bench import BenchError, BenchUsage, main_bench
+    from appliance.measure.bench import BenchError, BenchUsage, main_bench
 
     result = _validated(args.spec)
     try:
@@ -250,8 +252,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from appliance.bench import BenchError, BenchUsage
-    from appliance.tune import main_tune
+    from appliance.measure.bench import BenchError, BenchUsage
+    from appliance.measure.tune import main_tune
 
     result = _validated(args.spec)
     try:

@@ -12,9 +12,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from appliance.engine import Manifest
-from appliance.gpu import Nvml, NvmlUnavailable
-from appliance.spec import Versions as Pins
+from appliance.facts.gpu import Nvml, NvmlUnavailable
+from appliance.ops.engine import Manifest
+from appliance.spec.model import Versions as Pins
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.dialect import Dialect, builtin_dialect, read_binary_dialect
-from appliance.gpu import GpuMemory, Nvml, NvmlUnavailable, Pynvml
-from appliance.spec import DEFAULT_BINARY, Spec
+from appliance.facts.dialect import Dialect, builtin_dialect, read_binary_dialect
+from appliance.facts.gpu import GpuMemory, Nvml, NvmlUnavailable, Pynvml
+from appliance.spec.model import DEFAULT_BINARY, Spec
 
 
 @dataclass(frozen=True)

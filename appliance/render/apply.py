@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance import paths
+from appliance.system import paths
 
 FILE_MODE = 0o644
 

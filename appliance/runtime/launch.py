@@ -22,8 +22,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from appliance.notify import Notifier, watchdog_interval
-from appliance.server_api import ServerApi, ServerUnreachable, read_api_key
+from appliance.runtime.notify import Notifier, watchdog_interval
+from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
 
 log = logging.getLogger("llm-appliance.launch")
 

@@ -110,5 +110,5 @@ def read_binary_dialect(binary: Path, timeout: float = 20.0) -> Dialect:
 
 def builtin_dialect() -> Dialect:
     """The dialect of the llama.cpp this release builds (commit 0c1e570), for planning before install."""
-    text = resources.files("appliance").joinpath("dialects", BUILTIN_HELP).read_text()
+    text = resources.files("appliance.facts").joinpath("dialects", BUILTIN_HELP).read_text()
     return parse_help(text, f"built-in {BUILTIN_HELP}")

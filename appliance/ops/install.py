@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance import engine, models, paths
-from appliance.apply import (
+from appliance.ops import engine, models
+from appliance.plan.validate import validate
+from appliance.render.apply import (
     Change,
     changes,
     installed_spec_path,
@@ -28,9 +29,9 @@ from appliance.apply import (
     write,
     write_atomically,
 )
-from appliance.launch import LaunchPlan
-from appliance.render import FILES, launch_document, render
-from appliance.validate import validate
+from appliance.render.render import FILES, launch_document, render
+from appliance.runtime.launch import LaunchPlan
+from appliance.system import paths
 
 SHIPPED_RECORD = "shipped-etc.json"
 UNITS = (paths.SERVER_UNIT, paths.HEALTH_UNIT, paths.RESTART_TIMER)
@@ -309,7 +310,7 @@ def main_install(repo: Path, spec: Path | None, demo: bool, root: Path, start: b
         run(["systemctl", "--no-pager", "--lines=0", "status", paths.SERVER_UNIT], check=False)
         log(f"running; `systemctl status {paths.SERVER_UNIT}` and `journalctl -u {paths.SERVER_UNIT}` tell how it is")
         return 0
-    from health.service import up
+    from appliance.runtime.service import up
 
     installed = paths.ETC / chosen.name
     print("systemd is not PID 1 here: the units are installed but cannot be started.")

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
-from appliance import paths
-from appliance.bench import (
+from appliance.measure.bench import (
     CANARY,
     NO_DRAFT,
     BenchError,
@@ -39,7 +38,8 @@ from appliance.bench import (
     now,
     write_baseline,
 )
-from appliance.validate import Validated
+from appliance.plan.validate import Validated
+from appliance.system import paths
 
 Value = int | float | str
 ParamName = Literal["n_max", "n_min", "p_min", "draft_gpu_layers", "draft_cache_type"]
@@ -585,7 +585,7 @@ def main_tune(
     if write:
         old = spec_path.read_text()
         new = updated_spec(old, result, suite.version, measured_at)
-        from appliance.load import parse_spec
+        from appliance.spec.load import parse_spec
 
         parse_spec(new, spec_path)  # raises SpecInvalid (nothing written) if the result would not load
         diff = "".join(
@@ -608,7 +608,7 @@ def main_tune(
     if baseline is not None:
         rates = {f"workload:{name}": rate for name, rate in result.table[kept].items()}
         if canary is not None and canary.decode:
-            from health.detectors import CANARY_BUCKET
+            from appliance.health.detectors import CANARY_BUCKET
 
             rates[CANARY_BUCKET] = canary.decode.median
         details = {

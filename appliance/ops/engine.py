@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from appliance import paths
+from appliance.system import paths
 
 CACHE_DIR = Path(os.environ.get("LLM_APPLIANCE_CACHE", "/var/cache/llm-appliance"))
 MANIFEST = "manifest.json"

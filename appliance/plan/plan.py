@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from appliance.dialect import REMOVED, SPELLINGS, Dialect
-from appliance.gguf import ModelInfo
-from appliance.machine import MachineFacts
-from appliance.problems import Problem, error, warning
-from appliance.spec import Model, Spec
+from appliance.facts.dialect import REMOVED, SPELLINGS, Dialect
+from appliance.facts.gguf import ModelInfo
+from appliance.facts.machine import MachineFacts
+from appliance.spec.model import Model, Spec
+from appliance.spec.problems import Problem, error, warning
 
 MIB = 1 << 20
 GIB = 1 << 30

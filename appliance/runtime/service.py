@@ -10,18 +10,18 @@ import threading
 import time
 from pathlib import Path
 
-from appliance import paths
-from appliance.gpu import Pynvml
-from appliance.launch import Launcher, LaunchPlan
-from appliance.load import load_spec
-from appliance.notify import Notifier
-from appliance.server_api import ServerApi, ServerUnreachable, read_api_key
-from appliance.spec import Spec
-from health import versions
-from health.daemon import DaemonConfig, HealthDaemon
-from health.exporter import Metrics, serve
-from health.state import RestartLog
-from health.units import SystemdUnit, UnitError
+from appliance.facts.gpu import Pynvml
+from appliance.health import versions
+from appliance.health.daemon import DaemonConfig, HealthDaemon
+from appliance.health.exporter import Metrics, serve
+from appliance.health.state import RestartLog
+from appliance.health.units import SystemdUnit, UnitError
+from appliance.runtime.launch import Launcher, LaunchPlan
+from appliance.runtime.notify import Notifier
+from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
+from appliance.spec.load import load_spec
+from appliance.spec.model import Spec
+from appliance.system import paths
 
 log = logging.getLogger("llm-appliance.health")
 

@@ -15,15 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import paths
-from appliance.gpu import Nvml, NvmlUnavailable
-from appliance.notify import Notifier
-from appliance.plan import draft_devices, gpu_devices
-from appliance.render import Endpoint
-from appliance.server_api import ServerApi, ServerUnreachable, read_api_key
-from appliance.spec import Spec
-from health import versions
-from health.detectors import (
+from appliance.facts.gpu import Nvml, NvmlUnavailable
+from appliance.health import versions
+from appliance.health.detectors import (
     CANARY_BUCKET,
     CounterSample,
     CreepDetector,
@@ -33,9 +27,15 @@ from health.detectors import (
     speculation,
     window,
 )
-from health.exporter import Metrics
-from health.state import RestartLog
-from health.units import ServerControl, UnitError, descendants
+from appliance.health.exporter import Metrics
+from appliance.health.state import RestartLog
+from appliance.health.units import ServerControl, UnitError, descendants
+from appliance.plan.plan import draft_devices, gpu_devices
+from appliance.render.render import Endpoint
+from appliance.runtime.notify import Notifier
+from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
+from appliance.spec.model import Spec
+from appliance.system import paths
 
 log = logging.getLogger("llm-appliance.health")
 CANARY_PROMPT = "def fibonacci(n):\n    "

@@ -34,13 +34,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TextIO
 
-from appliance import paths
-from appliance.plan import build_argv
-from appliance.problems import Severity
-from appliance.render import Endpoint
-from appliance.server_api import ServerApi, ServerUnreachable, read_api_key
-from appliance.spec import Spec
-from appliance.validate import Validated
+from appliance.plan.plan import build_argv
+from appliance.plan.validate import Validated
+from appliance.render.render import Endpoint
+from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
+from appliance.spec.model import Spec
+from appliance.spec.problems import Severity
+from appliance.system import paths
 
 SUITE = "suite-v1.json"
 CHAT_MARGIN = 64  # tokens the chat template and the question add around a long document
@@ -96,7 +96,7 @@ class Suite:
 def load_suite(path: Path | None = None) -> Suite:
     """The versioned prompt suite shipped in the package (appliance/prompts/), or another file."""
     try:
-        text = path.read_text() if path else resources.files("appliance").joinpath("prompts", SUITE).read_text()
+        text = path.read_text() if path else resources.files("appliance.measure").joinpath("prompts", SUITE).read_text()
         data: dict[str, Any] = json.loads(text)
         workloads = tuple(
             Workload(
@@ -117,7 +117,7 @@ def load_suite(path: Path | None = None) -> Suite:
 
 def canary_workload() -> Workload:
     """The health daemon's canary, so its decay check has a measured baseline of its own."""
-    from health.daemon import CANARY_PROMPT, CANARY_TOKENS
+    from appliance.health.daemon import CANARY_PROMPT, CANARY_TOKENS
 
     return Workload(CANARY, "health canary", "completion", CANARY_TOKENS, prompt=CANARY_PROMPT, stream=False)
 
@@ -734,7 +734,7 @@ class BenchResult:
         """The with-draft decode rates as the health daemon's buckets: workload:<name> and the canary's."""
         rates = {f"workload:{n}": r.decode.median for n, r in self.draft.results.items() if r.decode}
         if self.canary is not None and self.canary.decode:
-            from health.detectors import CANARY_BUCKET
+            from appliance.health.detectors import CANARY_BUCKET
 
             rates[CANARY_BUCKET] = self.canary.decode.median
         return rates
@@ -897,8 +897,8 @@ def format_table(result: BenchResult) -> str:
 
 def write_baseline(path: Path, rates: Mapping[str, float], details: Mapping[str, Any]) -> dict[str, Any]:
     """The health daemon's baseline file: decode tok/s per bucket and the versions they were measured under."""
-    from appliance.gpu import Pynvml
-    from health.versions import Baseline, detect
+    from appliance.facts.gpu import Pynvml
+    from appliance.health.versions import Baseline, detect
 
     found = detect(Pynvml(), paths.ENGINE_DIR)
     baseline = Baseline({k: round(v, 3) for k, v in rates.items()}, found.comparable(), now())
@@ -941,7 +941,7 @@ def main_bench(
         validated, spec_path, standalone=standalone, reps=reps, tokens=tokens, suite=suite, progress=Progress()
     )
     if chart is not None:
-        from appliance.chart import draw_bench_chart
+        from appliance.measure.chart import draw_bench_chart
 
         title = f"{spec_path.name}: decode tok/s with and without the draft ({result.suite}, median of {reps})"
         draw_bench_chart(chart, title, chart_rows(result), (f"draft: {result.draft.label}", "no draft"))

@@ -9,13 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.checks import spec_problems
-from appliance.gguf import GGUFError, ModelInfo, read_model
-from appliance.load import LoadedSpec, load_spec
-from appliance.machine import MachineFacts, gather
-from appliance.plan import Plan, plan
-from appliance.problems import Problem, Severity, SpecInvalid, error, warning
-from appliance.vocab import Vocab, VocabUnavailable, incompatibilities, read_vocab
+from appliance.facts.gguf import GGUFError, ModelInfo, read_model
+from appliance.facts.machine import MachineFacts, gather
+from appliance.facts.vocab import Vocab, VocabUnavailable, incompatibilities, read_vocab
+from appliance.plan.plan import Plan, plan
+from appliance.spec.checks import spec_problems
+from appliance.spec.load import LoadedSpec, load_spec
+from appliance.spec.problems import Problem, Severity, SpecInvalid, error, warning
 
 VocabReader = Callable[[Path, Path | None], Vocab]
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from appliance.problems import Problem, Severity, SpecInvalid
-from appliance.spec import Spec
+from appliance.spec.model import Spec
+from appliance.spec.problems import Problem, Severity, SpecInvalid
 
 _TOML_POSITION = re.compile(r"\(at line (\d+), column (\d+)\)")
 _TABLE = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")

@@ -1,0 +1,3 @@
+from appliance.cli.main import main
+
+raise SystemExit(main())

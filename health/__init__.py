@@ -1,1 +1,0 @@
-"""The health daemon: probes, detectors, restart policy and the Prometheus exporter (issue 4)."""
