@@ -55,24 +55,6 @@ def timed_install(machine: Machine) -> tuple[list[tuple[float, str]], float]:
     return lines, time.time()
 
 
-def first_answer(machine: Machine) -> dict[str, object]:
-    body = json.dumps({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16})
-    result = machine.on_network(
-        [
-            "curl",
-            "-sf",
-            "--max-time",
-            "120",
-            "http://127.0.0.1:8080/v1/chat/completions",
-            "-H",
-            "Content-Type: application/json",
-            "-d",
-            body,
-        ]
-    )
-    return json.loads(result.stdout)  # type: ignore[no-any-return]
-
-
 def durations(lines: list[tuple[float, str]], started: float, returned: float) -> list[tuple[str, float]]:
     marks = []
     for name, prefix in STEPS:
@@ -100,7 +82,7 @@ def main() -> int:
             checkout(root / CHECKOUT.lstrip("/"))
             started = time.time()
             lines, returned = timed_install(machine)
-            answer = first_answer(machine)
+            answer = machine.chat("Say hello.", 16)
             answered = time.time()
     timings = answer.get("timings", {})
     figures = {

@@ -12,6 +12,7 @@ A `Machine` runs shell commands inside the booted container, in all its namespac
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_CACHE = Path(os.environ.get("LLM_APPLIANCE_TEST_CACHE", "/var/cache/llm-appliance-test"))
@@ -74,6 +76,16 @@ class Machine:
             timeout=timeout,
             check=False,
         )
+
+    def chat(self, content: str, max_tokens: int) -> dict[str, Any]:
+        """A chat completion from the appliance's default port, by the host's curl in the container's network."""
+        body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens})
+        url = "http://127.0.0.1:8080/v1/chat/completions"
+        answer = self.on_network(
+            ["curl", "-sf", "--max-time", "120", url, "-H", "Content-Type: application/json", "-d", body]
+        )
+        assert answer.returncode == 0, f"curl exited {answer.returncode}: {answer.stderr}"
+        return json.loads(answer.stdout)  # type: ignore[no-any-return]
 
     def wait_for(self, command: str, timeout: float, what: str) -> str:
         deadline = time.monotonic() + timeout

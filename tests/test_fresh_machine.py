@@ -10,7 +10,6 @@ drafted tokens, and `install.sh --uninstall --purge` leaves nothing behind.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,24 +77,7 @@ def test_the_readme_install_command_serves_drafted_completions(fresh: Machine) -
     for step in cold_steps:
         assert step in output, f"{step!r} did not run:\n{output[-6000:]}"
     assert fresh.run("systemctl is-active llm-appliance-server.service").stdout.strip() == "active"
-    body = json.dumps(
-        {"messages": [{"role": "user", "content": "Write a Python function that adds two numbers."}], "max_tokens": 48}
-    )
-    answer = fresh.on_network(
-        [
-            "curl",
-            "-sf",
-            "--max-time",
-            "120",
-            "http://127.0.0.1:8080/v1/chat/completions",
-            "-H",
-            "Content-Type: application/json",
-            "-d",
-            body,
-        ]
-    )
-    assert answer.returncode == 0, answer.stderr
-    timings = json.loads(answer.stdout)["timings"]
+    timings = fresh.chat("Write a Python function that adds two numbers.", 48)["timings"]
     assert timings["draft_n"] > 0 and timings["draft_n_accepted"] > 0, timings
 
 
