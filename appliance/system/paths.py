@@ -12,7 +12,6 @@ ETC = Path("/etc/llm-appliance")
 RENDERED = ETC / "rendered"
 STATE = Path("/var/lib/llm-appliance")
 MODELS = STATE / "models"
-UNIT_DIR = Path("/etc/systemd/system")
 SERVICE_USER = "llm-appliance"
 NFT_TABLE = "llm_appliance"
 SERVER_UNIT = "llm-appliance-server.service"
