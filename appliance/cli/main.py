@@ -24,7 +24,7 @@ from appliance.render.apply import ApplyError, changes, installed_spec_path, rel
 from appliance.render.render import launch_document, render
 from appliance.runtime.launch import Launcher, LaunchPlan
 from appliance.spec.load import load_spec
-from appliance.spec.model import Spec
+from appliance.spec.model import DEFAULT_BINARY, Spec
 from appliance.spec.problems import SpecInvalid, report
 from appliance.system import paths
 
@@ -133,7 +133,7 @@ def cmd_engine_install(args: argparse.Namespace) -> int:
     binary = args.binary
     if binary is None and args.spec is not None:
         named = load_spec(args.spec).spec.server.binary
-        binary = named if named != str(paths.ENGINE_DIR / "bin" / "llama-server") else None
+        binary = named if named != DEFAULT_BINARY else None
     manifest = engine.install(dest=args.dest, binary=binary, jobs=args.jobs)
     print(manifest.binary)
     return EXIT_OK

@@ -788,7 +788,7 @@ def run_bench(
     suite = suite or load_suite()
     workloads = list(suite.workloads)
     config = Config.of(spec) if validated.plan.speculation else NO_DRAFT
-    prepared = Prepared(workloads, tokens, spec.server.ctx_size // spec.server.parallel)
+    prepared = Prepared(workloads, tokens, spec.server.slot_ctx)
     canary = Prepared([canary_workload()], None, prepared.slot_ctx) if with_canary else None
     progress = progress or Progress(enabled=False)
     progress.total = (2 * len(workloads) + (1 if with_canary else 0)) * reps

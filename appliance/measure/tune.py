@@ -39,6 +39,7 @@ from appliance.measure.bench import (
     write_baseline,
 )
 from appliance.plan.validate import Validated
+from appliance.spec.model import CACHE_BYTES
 from appliance.system import paths
 
 Value = int | float | str
@@ -51,7 +52,7 @@ N_MAX_GRID: tuple[Value, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 N_MIN_GRID: tuple[Value, ...] = (0, 1, 2, 3, 4, 6, 8)
 P_MIN_GRID: tuple[Value, ...] = (0.0, 0.2, 0.4, 0.6, 0.8)
 # Largest to smallest, so a walk along the grid goes one way in size.
-CACHE_ORDER = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "iq4_nl", "q4_1", "q4_0")
+CACHE_ORDER = tuple(CACHE_BYTES)
 TOLERANCE = 0.02  # a value within 2% of the best is not "slower": the walk goes on across a plateau
 
 
@@ -323,7 +324,7 @@ class ServerMeasure:
         self.suite = load_suite(suite_file).select(workloads)
         self.reps = reps
         self.progress = progress or Progress(enabled=False)
-        self.prepared = Prepared(list(self.suite.workloads), tokens, spec.server.ctx_size // spec.server.parallel)
+        self.prepared = Prepared(list(self.suite.workloads), tokens, spec.server.slot_ctx)
         self.results: dict[Config, dict[str, WorkloadResult]] = {}
         self.starts = 0
 

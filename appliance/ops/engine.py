@@ -226,9 +226,9 @@ def install_built(bin_dir: Path, dest: Path, kind: str) -> Manifest:
     for item in sorted(bin_dir.iterdir()):
         if item.name == "llama-server" or (item.name.startswith("lib") and ".so" in item.name):
             shutil.copy2(item, staging / "bin" / item.name, follow_symlinks=False)
-    binary = staging / "bin" / "llama-server"
+    binary = paths.engine_binary(staging)
     manifest = Manifest(
-        binary=str(dest / "bin" / "llama-server"),
+        binary=str(paths.engine_binary(dest)),
         origin="built",
         version_line=version_line(binary),
         source={**asdict(PINNED), "options_key": options_key(kind)},
@@ -263,7 +263,7 @@ def _install(dest: Path, cache: Path, binary: str | None, jobs: int | None) -> M
     named = binary or os.environ.get("LLAMA_SERVER")
     origin = "user" if named else "path"
     found = Path(named) if named else (Path(p) if (p := shutil.which("llama-server")) else None)
-    if found is not None and found.resolve() != (dest / "bin" / "llama-server").resolve():
+    if found is not None and found.resolve() != paths.engine_binary(dest).resolve():
         if not os.access(found, os.X_OK):
             raise EngineError(f"{found} is not an executable file; fix server.binary or LLAMA_SERVER")
         manifest = Manifest(

@@ -11,24 +11,12 @@ from dataclasses import dataclass, field
 from appliance.facts.dialect import REMOVED, SPELLINGS, Dialect
 from appliance.facts.gguf import ModelInfo
 from appliance.facts.machine import MachineFacts
-from appliance.spec.model import Model, Spec
+from appliance.spec.model import CACHE_BYTES, CacheType, Model, Spec
 from appliance.spec.problems import Problem, error, warning
 
 MIB = 1 << 20
 GIB = 1 << 30
 KV_CELL_PAD = 256
-# Bytes per element of each KV cache type (blocks of 32 for the quantized ones).
-CACHE_BYTES = {
-    "f32": 4.0,
-    "f16": 2.0,
-    "bf16": 2.0,
-    "q8_0": 34 / 32,
-    "q4_0": 18 / 32,
-    "q4_1": 20 / 32,
-    "iq4_nl": 18 / 32,
-    "q5_0": 22 / 32,
-    "q5_1": 24 / 32,
-}
 
 
 @dataclass(frozen=True)
@@ -107,7 +95,7 @@ def gpu_weight_bytes(info: ModelInfo, layers_on_gpu: int) -> int:
     return total
 
 
-def kv_bytes_per_token(info: ModelInfo, cache_k: str, cache_v: str, layers: int | None = None) -> int:
+def kv_bytes_per_token(info: ModelInfo, cache_k: CacheType, cache_v: CacheType, layers: int | None = None) -> int:
     """Σ over layers with a KV cache of K row + V row, as llama-kv-cache.cpp allocates them."""
     key_length, value_length = info.head_dims()
     heads = info.kv_heads_per_layer()
@@ -217,7 +205,7 @@ def model_problems(spec: Spec, target: ModelInfo, draft: ModelInfo | None) -> li
                 f"set ctx_size to at most {target.context_length}",
             )
         )
-    slot_ctx = spec.server.ctx_size // spec.server.parallel
+    slot_ctx = spec.server.slot_ctx
     if slot_ctx < 2048:
         found.append(
             warning(

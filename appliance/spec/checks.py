@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from appliance.spec.load import LoadedSpec
-from appliance.spec.model import Model
+from appliance.spec.model import QUANTIZED_CACHE, Model
 from appliance.spec.problems import Problem, error, warning
 
-QUANTIZED_CACHE = {"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"}
 FAST_N_MAX = 16
 
 

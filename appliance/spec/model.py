@@ -9,14 +9,30 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+from appliance.system import paths
+
+CacheType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "iq4_nl", "q4_1", "q4_0"]
+# Bytes per element of each KV cache type (blocks of 32 for the quantized ones), largest first.
+CACHE_BYTES: dict[CacheType, float] = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q5_1": 24 / 32,
+    "q5_0": 22 / 32,
+    "iq4_nl": 18 / 32,
+    "q4_1": 20 / 32,
+    "q4_0": 18 / 32,
+}
+assert tuple(CACHE_BYTES) == get_args(CacheType)
+QUANTIZED_CACHE = frozenset(name for name, size in CACHE_BYTES.items() if size < 2)
 GpuLayers = Annotated[int, Field(ge=0, le=1000)] | Literal["auto", "all"]
 DEVICE_NAME = re.compile(r"^(none|[A-Za-z]+[0-9]+)$")
-DEFAULT_BINARY = "/opt/llm-appliance/engine/bin/llama-server"
+DEFAULT_BINARY = str(paths.engine_binary(paths.ENGINE_DIR))
 # TOML strings become paths; every other value must already have its TOML type (strict below).
 FilePath = Annotated[Path, Field(strict=False)]
 
@@ -64,6 +80,11 @@ class Server(Strict):
                 f"{value!r} is not an IP address; use 127.0.0.1, ::1, 0.0.0.0 or one of this machine's addresses"
             ) from None
         return value
+
+    @property
+    def slot_ctx(self) -> int:
+        """llama-server divides ctx_size evenly among the slots."""
+        return self.ctx_size // self.parallel
 
     @property
     def host_is_loopback(self) -> bool:

@@ -8,6 +8,7 @@ PREFIX = Path("/opt/llm-appliance")
 VENV = PREFIX / "venv"
 CLI = VENV / "bin" / "llm-appliance"
 ENGINE_DIR = PREFIX / "engine"
+
 ETC = Path("/etc/llm-appliance")
 RENDERED = ETC / "rendered"
 STATE = Path("/var/lib/llm-appliance")
@@ -18,3 +19,8 @@ SERVER_UNIT = "llm-appliance-server.service"
 HEALTH_UNIT = "llm-appliance-health.service"
 RESTART_UNIT = "llm-appliance-restart.service"
 RESTART_TIMER = "llm-appliance-restart.timer"
+
+
+def engine_binary(engine_dir: Path) -> Path:
+    """Where an engine tree keeps its llama-server."""
+    return engine_dir / "bin" / "llama-server"
