@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -21,10 +22,10 @@ from prometheus_client import CollectorRegistry
 from appliance.facts.gpu import Pynvml
 from appliance.health.daemon import DaemonConfig, HealthDaemon
 from appliance.health.exporter import Metrics
+from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
-from appliance.render.render import launch_document
+from appliance.render.apply import installed_spec_path
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
-from appliance.spec.load import load_spec
 
 PROMPT = "def fibonacci(n):\n"
 
@@ -60,8 +61,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=96)
     args = parser.parse_args()
-    spec = load_spec(args.spec).spec
-    argv = launch_document(validate(args.spec).plan)["argv"]
+    appliance = replace(
+        resolve(validate(args.spec).plan, installed_spec_path(args.spec)),
+        state_file=Path("/tmp/llm-appliance-bench-state.json"),
+    )
+    spec, argv = appliance.spec, appliance.argv
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     api = ServerApi(f"http://127.0.0.1:{spec.server.port}", timeout=30)
     try:
@@ -73,7 +77,7 @@ def main() -> None:
                 pass
             time.sleep(0.2)
         daemon = HealthDaemon(
-            DaemonConfig.from_spec(spec, state_file=Path("/tmp/llm-appliance-bench-state.json")),
+            DaemonConfig(appliance),
             Direct(server),
             Pynvml(),
             Metrics(CollectorRegistry()),

@@ -8,7 +8,6 @@ tok/s with and without the draft. Prints figures; asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -16,10 +15,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
+from appliance.plan.resolved import Appliance, Endpoint, resolve
 from appliance.plan.validate import validate
-from appliance.render.render import launch_document
+from appliance.render.apply import installed_spec_path
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -31,18 +32,18 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start(document: dict[str, object], work: Path) -> tuple[subprocess.Popen[bytes], ServerApi, socket.socket, float]:
+def start(appliance: Appliance, work: Path) -> tuple[subprocess.Popen[bytes], ServerApi, socket.socket, float]:
     port = free_port()
-    argv = [str(a) for a in document["argv"]]  # type: ignore[attr-defined]
+    argv = list(appliance.argv)
     argv[argv.index("--port") + 1] = str(port)
-    plan = work / f"launch-{port}.json"
-    plan.write_text(json.dumps({**document, "argv": argv, "health_url": f"http://127.0.0.1:{port}/health"}))
+    plan = work / f"appliance-{port}.json"
+    plan.write_text(replace(appliance, argv=tuple(argv), server=Endpoint("127.0.0.1", port)).to_json("bench"))
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(work / f"notify-{port}.sock"))
     env = {**os.environ, "NOTIFY_SOCKET": str(work / f"notify-{port}.sock")}
     t0 = time.monotonic()
     process = subprocess.Popen(
-        [sys.executable, "-m", "appliance.cli.main", "launch", "--plan", str(plan)],
+        [sys.executable, "-m", "appliance.cli.main", "launch", "--snapshot", str(plan)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -102,12 +103,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
-    document = launch_document(validate(args.spec).plan)
+    appliance = resolve(validate(args.spec).plan, installed_spec_path(args.spec))
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
-        for label, argv in (("with draft", document["argv"]), ("no draft", without_draft(list(document["argv"])))):
+        for label, argv in (("with draft", appliance.argv), ("no draft", tuple(without_draft(list(appliance.argv))))):
             process, api, notify, t0 = start(
-                {**document, "argv": argv, "draft_configured": label == "with draft"}, Path(tmp)
+                replace(appliance, argv=argv, draft_in_use=label == "with draft"), Path(tmp)
             )
             try:
                 healthy, ready = time_to_ready(process, api, notify, t0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -17,9 +18,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gguf_fixtures import DRAFT_06B, TARGET_27B, write_model
 
 from appliance.facts.dialect import builtin_dialect
+from appliance.facts.gguf import ModelInfo
 from appliance.facts.gpu import GpuMemory
 from appliance.facts.machine import MachineFacts
 from appliance.ops.models import GEMMA3, SMOLLM2
+from appliance.plan.plan import Plan
+from appliance.plan.resolved import Appliance, resolve
+from appliance.plan.validate import validate
+from appliance.render.apply import installed_spec_path
+from appliance.spec.model import Spec
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "etc" / "llm-appliance"
@@ -65,6 +72,23 @@ def fixture_models(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> P
     write_model(directory / "draft-0.6b-Q4_K_M.gguf", DRAFT_06B, smollm2)
     (directory / SMOLLM2).symlink_to(smollm2)
     return directory
+
+
+def resolved(spec_path: Path, facts: MachineFacts | None = None, **changes: object) -> Appliance:
+    """The spec validated and resolved as apply resolves it; `changes` replace resolved fields (a port, the argv)."""
+    appliance = resolve(validate(spec_path, facts=facts).plan, installed_spec_path(spec_path))
+    return dataclasses.replace(appliance, **changes)  # type: ignore[arg-type]
+
+
+def appliance_of(spec: Spec, **changes: object) -> Appliance:
+    """A spec resolved without its model files (the daemon's logic tests): empty model headers, no budget."""
+
+    def header(path: Path) -> ModelInfo:
+        return ModelInfo(path, 0, {}, {}, ())
+
+    draft = header(spec.models.draft.path) if spec.models.draft else None
+    plan = Plan(spec, ("llama-server",), (), (), header(spec.models.target.path), draft)
+    return dataclasses.replace(resolve(plan, Path("/etc/llm-appliance/test.toml")), **changes)  # type: ignore[arg-type]
 
 
 def gpu_facts(*totals_gib: float) -> MachineFacts:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE_FACTS, EXAMPLES, INSTALLED_MODELS
 
+from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
 from appliance.render.apply import installed_spec_path
 from appliance.render.render import duration, render
@@ -351,7 +352,7 @@ def render_example(directory: Path, fixture_models: Path, replace: dict[str, str
         text = text.replace(old, new)
     spec = directory / EXAMPLE
     spec.write_text(text)
-    files = render(validate(spec, facts=EXAMPLE_FACTS[EXAMPLE]).plan, installed_spec_path(spec))
+    files = render(resolve(validate(spec, facts=EXAMPLE_FACTS[EXAMPLE]).plan, installed_spec_path(spec)))
     for relative, content in files.items():
         (directory / relative).parent.mkdir(parents=True, exist_ok=True)
         (directory / relative).write_text(content)

@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+from conftest import resolved
 
 import appliance.cli.main as cli
 from appliance.health import versions
@@ -35,7 +36,6 @@ from appliance.measure.bench import (
 )
 from appliance.measure.chart import draw_bench_chart
 from appliance.plan.validate import validate
-from appliance.render.render import launch_document
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 
 
@@ -240,9 +240,7 @@ def running_appliance(example: Callable[..., Path]) -> Iterator[tuple[Path, Serv
     """The demo spec on a free port, its llama-server started from the spec's own plan: 'the running appliance'."""
     port = free_port()
     spec = example("demo.toml", {"port = 8080": f"port = {port}"})
-    process = subprocess.Popen(
-        launch_document(validate(spec).plan)["argv"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    process = subprocess.Popen(resolved(spec).argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     api = ServerApi(f"http://127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + 120

@@ -20,17 +20,17 @@ import pytest
 
 import appliance.facts.machine
 import appliance.render.apply
-from appliance.cli.main import EXIT_APPLY, EXIT_INVALID, EXIT_OK, EXIT_USAGE, main, spec_schema
+from appliance.cli.main import EXIT_APPLY, EXIT_DIFFERS, EXIT_INVALID, EXIT_OK, EXIT_USAGE, main, spec_schema
 from appliance.facts.gpu import NvmlUnavailable
 from appliance.facts.machine import find_binary
 from appliance.ops.models import SMOLLM2
+from appliance.plan.resolved import SNAPSHOT
 from appliance.render.apply import ApplyError, Change, write, write_atomically
 from appliance.spec.load import load_spec
 
 CLI = Path(sys.executable).parent / "llm-appliance"
 RENDERED = [
-    "etc/llm-appliance/rendered/health.json",
-    "etc/llm-appliance/rendered/launch.json",
+    "etc/llm-appliance/rendered/appliance.json",
     "etc/llm-appliance/rendered/llm-appliance.nft",
     "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml",
     "etc/llm-appliance/rendered/prometheus/scrape.yml",
@@ -206,9 +206,10 @@ def test_render_out_writes_the_files_and_rewrites_nothing_the_second_time(cli: R
     assert out == f"rendered {len(DEMO_FILES)} files into {out_dir} ({len(DEMO_FILES)} changed)\n"
     assert files_under(out_dir) == DEMO_FILES
     assert (out_dir / "etc/llm-appliance/demo.toml").read_text() == demo.read_text()
-    launch = json.loads((out_dir / "etc/llm-appliance/rendered/launch.json").read_text())
-    assert launch["argv"][0] == str(find_binary(load_spec(demo).spec))
-    assert launch["argv"][launch["argv"].index("--spec-type") + 1] == "draft-simple"
+    snapshot = json.loads((out_dir / "etc/llm-appliance/rendered/appliance.json").read_text())
+    argv = snapshot["resolved"]["argv"]
+    assert argv[0] == str(find_binary(load_spec(demo).spec))
+    assert argv[argv.index("--spec-type") + 1] == "draft-simple"
     code, out, _ = cli("render", demo, "--out", out_dir)
     assert (code, out) == (EXIT_OK, f"rendered {len(DEMO_FILES)} files into {out_dir} (0 changed)\n")
 
@@ -269,26 +270,54 @@ def test_apply_dry_run_writes_nothing(cli: Run, demo: Path, tmp_path: Path) -> N
     assert not root.exists()
 
 
+def test_status_compares_the_spec_on_disk_with_the_applied_snapshot(cli: Run, demo: Path, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    code, _, err = cli("status", "--root", root)
+    assert (code, err) == (
+        EXIT_INVALID,
+        f"status: {root}/{SNAPSHOT.relative_to('/')} does not exist: nothing is applied; run `llm-appliance apply SPEC`\n",
+    )
+    assert cli("apply", demo, "--root", root)[0] == EXIT_OK
+    installed = root / "etc/llm-appliance/demo.toml"
+    code, out, _ = cli("status", "--root", root)
+    assert (code, out.splitlines()[-1]) == (EXIT_OK, f"spec: {installed} is what is applied")
+
+    installed.write_text(installed.read_text().replace("ctx_size = 4096", "ctx_size = 8192"))
+    code, out, _ = cli("status", "--root", root)
+    assert code == EXIT_DIFFERS
+    lines = out.splitlines()
+    assert f"spec: {installed} differs from what is applied; the running appliance still uses the applied one" in lines
+    assert "  server.ctx_size: 4096 -> 8192" in lines
+    assert '  resolved.argv: without ["4096"], with ["8192"]' in lines
+    assert f"  update {root}/etc/llm-appliance/rendered/appliance.json" in lines
+    assert f"  update {installed}" not in lines  # it is the file that was edited
+
+    (root / SNAPSHOT.relative_to("/")).write_text("{")
+    code, _, err = cli("status", "--root", root)
+    assert code == EXIT_INVALID and err.startswith(f"status: cannot read {root}/{SNAPSHOT.relative_to('/')}: ")
+    assert "re-run `llm-appliance apply SPEC`" in err and "Traceback" not in err
+
+
 def test_apply_diff_after_an_edit(cli: Run, demo: Path, tmp_path: Path) -> None:
     root = tmp_path / "root"
     assert cli("apply", demo, "--root", root)[0] == EXIT_OK
     demo.write_text(demo.read_text().replace("temperature = 0.0 ", "temperature = 0.2 "))
-    launch = root / "etc/llm-appliance/rendered/launch.json"
+    launch = root / "etc/llm-appliance/rendered/appliance.json"
     before = launch.read_text()
 
     code, out, _ = cli("apply", demo, "--root", root, "--diff", "--dry-run")
     assert code == EXIT_OK
-    assert "--- a/etc/llm-appliance/rendered/launch.json\n+++ b/etc/llm-appliance/rendered/launch.json\n" in out
-    assert '     "--temp",\n-    "0",\n+    "0.2",\n' in out
+    assert "--- a/etc/llm-appliance/rendered/appliance.json\n+++ b/etc/llm-appliance/rendered/appliance.json\n" in out
+    assert '       "--temp",\n-      "0",\n+      "0.2",\n' in out
     assert "--- a/etc/llm-appliance/demo.toml\n" in out
     assert "-temperature = 0.0 " in out and "+temperature = 0.2 " in out
     assert f"would update {launch}\n" in out
-    assert "health.json" not in out  # unchanged files are neither diffed nor listed
+    assert "scrape.yml" not in out  # unchanged files are neither diffed nor listed
     assert launch.read_text() == before
 
     code, out, _ = cli("apply", demo, "--root", root, "--diff")
     assert code == EXIT_OK
-    assert '+    "0.2",\n' in out
+    assert '+      "0.2",\n' in out
     assert out.endswith(f"2 files changed under {root}\n")
     assert '"0.2"' in launch.read_text()
     assert cli("apply", demo, "--root", root, "--diff")[1] == f"nothing to change under {root}\n"
@@ -331,7 +360,7 @@ def test_apply_whose_write_fails_exits_3_and_leaves_no_temporary(
     # The changes were listed before the write failed on the first of them.
     assert out.splitlines() == [
         f"update {root}/etc/llm-appliance/demo.toml",
-        f"update {root}/etc/llm-appliance/rendered/launch.json",
+        f"update {root}/etc/llm-appliance/rendered/appliance.json",
     ]
     assert err == (
         f"apply: cannot write {root}/etc/llm-appliance/demo.toml: No space left on device; nothing after it was written\n"
@@ -438,13 +467,14 @@ def test_provisioning_into_an_unwritable_place_is_a_clear_error(capsys: pytest.C
 
 
 def test_an_exporter_port_in_use_is_a_clear_error(
-    example: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+    example: Callable[..., Path], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         spec = example("demo.toml", {"port = 9478": f"port = {port}"})
-        assert main(["health", str(spec)]) == 3
+        assert main(["apply", str(spec), "--root", str(tmp_path / "root")]) == EXIT_OK
+        assert main(["health", "--snapshot", str(tmp_path / "root" / SNAPSHOT.relative_to("/"))]) == 3
     err = capsys.readouterr().err
     assert f"cannot serve metrics on 127.0.0.1:{port}" in err and "prometheus.port" in err

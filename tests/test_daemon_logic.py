@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import appliance_of
 from prometheus_client import CollectorRegistry
 
 from appliance.facts.gpu import MISMATCH_FIX, GpuMemory, GpuProcess, NvmlUnavailable
@@ -185,7 +186,7 @@ class Rig:
         """A daemon as systemd starts it again (it is bound to the server): same state file, fresh metrics."""
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)
-        config = DaemonConfig.from_spec(self.spec, state_file=self.state_file, engine_dir=self.tmp_path)
+        config = DaemonConfig(appliance_of(self.spec, state_file=self.state_file), engine_dir=self.tmp_path)
         self.daemon = HealthDaemon(config, self.control, self.nvml, self.metrics, api=self.api, clock=self.clock)  # type: ignore[arg-type]
         return self.daemon
 
@@ -388,7 +389,7 @@ def test_a_cpu_spec_expects_no_nvml(tmp_path: Path) -> None:
         }
     )
     rig = Rig(tmp_path, spec)
-    assert rig.daemon.config.gpu_spec is False
+    assert rig.daemon.config.appliance.on_gpu is False
     rig.nvml.failure = NvmlUnavailable("NVML: NVML Shared Library Not Found")
     for _ in range(10):
         seen = rig.check()
@@ -564,7 +565,7 @@ def test_a_server_on_the_gpu_is_left_alone(rig: Rig) -> None:
 
 def test_the_status_line(tmp_path: Path) -> None:
     rig = Rig(tmp_path, make_spec(tmp_path, draft=True))
-    assert rig.daemon.config.draft_configured
+    assert rig.daemon.config.appliance.draft_in_use
     traffic = {"drafted": 1000, "accepted": 710}
     assert rig.check(**traffic).status() == "server up, no decode measured yet"
     rig.nvml.server_bytes = int(20 * GIB)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE_FACTS, INSTALLED_MODELS
 
+from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
 from appliance.render.apply import installed_spec_path
 from appliance.render.render import render
@@ -19,7 +20,7 @@ GOLDEN = Path(__file__).parent / "golden"
 def rendered(example: Callable[[str], Path], name: str, fixture_models: Path) -> dict[str, str]:
     spec = example(name)
     result = validate(spec, facts=EXAMPLE_FACTS[name])
-    files = render(result.plan, installed_spec_path(spec))
+    files = render(resolve(result.plan, installed_spec_path(spec)))
     return {path: text.replace(str(fixture_models), INSTALLED_MODELS) for path, text in files.items()}
 
 

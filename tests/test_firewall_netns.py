@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE_FACTS, EXAMPLES, INSTALLED_MODELS
 
+from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
 from appliance.render.render import render
 from appliance.system import paths
@@ -250,7 +251,7 @@ def _ruleset(directory: Path, fixture_models: Path, egress: str, allow: list[str
     spec = directory / "demo.toml"
     spec.write_text(text)
     result = validate(spec, facts=EXAMPLE_FACTS["demo.toml"])
-    return render(result.plan, paths.ETC / "demo.toml")[NFT_FILE]
+    return render(resolve(result.plan, paths.ETC / "demo.toml"))[NFT_FILE]
 
 
 @pytest.fixture(scope="module")

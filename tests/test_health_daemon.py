@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import UpProcess
+from conftest import UpProcess, resolved
 from prometheus_client import CollectorRegistry
 from test_launch import LOAD_SECONDS, free_port, pid_alive
 
@@ -22,8 +22,6 @@ from appliance.facts.gpu import Pynvml
 from appliance.health.daemon import DaemonConfig, HealthDaemon
 from appliance.health.detectors import DecayDetector
 from appliance.health.exporter import Metrics
-from appliance.plan.validate import validate
-from appliance.render.render import launch_document
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 from appliance.spec.load import load_spec
 
@@ -230,7 +228,7 @@ def _healthy(api: ServerApi) -> bool:
 def test_a_draft_that_never_drafts_is_reported(example: Callable[..., Path], engine_binary: Path) -> None:
     server_port, exporter_port = free_port(), free_port()
     spec_path = fast_demo(example, server_port, exporter_port)
-    argv = list(launch_document(validate(spec_path).plan)["argv"])
+    argv = list(resolved(spec_path).argv)
     at = argv.index("--spec-type")
     del argv[at : at + 2]  # what an older spec or a wrong dialect would run
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -249,7 +247,7 @@ def test_a_draft_that_never_drafts_is_reported(example: Callable[..., Path], eng
                 raise AssertionError(f"no restart expected, got {reason}")
 
         metrics = Metrics(CollectorRegistry())
-        config = DaemonConfig.from_spec(load_spec(spec_path).spec, state_file=spec_path.parent / "state.json")
+        config = DaemonConfig(resolved(spec_path, state_file=spec_path.parent / "state.json"))
         daemon = HealthDaemon(config, Direct(), Pynvml(), metrics)
         daemon.check()
         api.completion("def add(a, b):", n_predict=24, temperature=0, ignore_eos=True)

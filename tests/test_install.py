@@ -35,7 +35,7 @@ def test_a_staged_install_then_a_second_one_that_changes_nothing(
     assert first.changed
     for path in (
         "etc/systemd/system/llm-appliance-server.service",
-        "etc/llm-appliance/rendered/launch.json",
+        "etc/llm-appliance/rendered/appliance.json",
         "etc/polkit-1/rules.d/50-llm-appliance.rules",
         "etc/llm-appliance/demo.toml",
         "etc/llm-appliance/appliance.toml",
@@ -66,7 +66,10 @@ def test_a_spec_the_admin_changed_is_kept_and_the_new_one_put_beside_it(staged: 
 
 def test_uninstall_removes_what_install_rendered_and_keeps_etc_unless_purged(staged: Path) -> None:
     install(options(staged))
+    retired = staged / "etc/llm-appliance/rendered/launch.json"  # what an earlier version rendered
+    retired.write_text("{}")
     uninstall(staged)
+    assert not retired.exists()
     assert not (staged / "etc/systemd/system/llm-appliance-server.service").exists()
     assert not (staged / "etc/polkit-1/rules.d/50-llm-appliance.rules").exists()
     assert not (staged / "opt/llm-appliance/engine").exists()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -12,13 +11,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
+from conftest import resolved
 
-from appliance.plan.validate import validate
-from appliance.render.render import launch_document
+from appliance.plan.resolved import Endpoint
 from appliance.runtime.notify import Notifier
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 
@@ -118,15 +117,13 @@ def launch(tmp_path: Path, example: Callable[[str], Path]) -> Iterator[Callable[
 
     def start(edit: Callable[[list[str]], list[str]] = lambda argv: argv, stop_timeout: float = 10.0) -> Running:
         port = free_port()
-        document = launch_document(validate(example("demo.toml")).plan)
+        appliance = resolved(example("demo.toml"))
         argv = [
             str(port) if previous == "--port" else arg
-            for previous, arg in zip(["", *document["argv"]], document["argv"], strict=False)
+            for previous, arg in zip(["", *appliance.argv], appliance.argv, strict=False)
         ]
-        document["argv"] = edit(argv)
-        document["health_url"] = f"http://127.0.0.1:{port}/health"
-        plan = tmp_path / f"launch-{port}.json"
-        plan.write_text(json.dumps(document))
+        plan = tmp_path / f"appliance-{port}.json"
+        plan.write_text(replace(appliance, argv=tuple(edit(argv)), server=Endpoint("127.0.0.1", port)).to_json("test"))
         api = ServerApi(f"http://127.0.0.1:{port}", timeout=5.0)
         notify = NotifySocket(tmp_path / f"notify-{port}.sock", api)
         env = {**os.environ, "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "2000000", "PYTHONUNBUFFERED": "1"}
@@ -136,7 +133,7 @@ def launch(tmp_path: Path, example: Callable[[str], Path]) -> Iterator[Callable[
                 "-m",
                 "appliance.cli.main",
                 "launch",
-                "--plan",
+                "--snapshot",
                 str(plan),
                 "--stop-timeout",
                 str(stop_timeout),

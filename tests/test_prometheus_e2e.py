@@ -28,6 +28,7 @@ from conftest import UpProcess
 from test_health_daemon import server_pids, wait_ready, wait_until
 from test_launch import free_port
 
+from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
 from appliance.render.render import render
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
@@ -65,7 +66,7 @@ def fast_spec(example: Callable[..., Path], server_port: int, exporter_port: int
 
 def prometheus_config(spec: Path, directory: Path) -> Path:
     """prometheus.yml: the rendered scrape jobs under scrape_configs, the rendered rules, 1 s evaluation."""
-    files = render(validate(spec).plan, spec)
+    files = render(resolve(validate(spec).plan, spec))
     for relative in (RULES, SCRAPE):
         (directory / relative).parent.mkdir(parents=True, exist_ok=True)
         (directory / relative).write_text(files[relative])

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from appliance.facts.vocab import read_vocab
+from appliance.plan.resolved import Appliance, resolve
 from appliance.plan.validate import Validated, validate
 from appliance.render.apply import installed_spec_path
 from appliance.render.render import render
@@ -231,11 +232,11 @@ def check_answer(spec: Path, text: str, facts_name: str, note: bool = True) -> V
         return None
     if note:
         event("valid")
-    # Valid: it renders, and the launcher's JSON reads back with the planned argv.
-    files = render(result.plan, installed_spec_path(spec))
-    launch = json.loads(files["etc/llm-appliance/rendered/launch.json"])
-    assert launch["argv"] == list(result.plan.argv)
-    json.loads(files["etc/llm-appliance/rendered/health.json"])
+    # Valid: it renders, and the snapshot reads back as the very appliance that was resolved.
+    appliance = resolve(result.plan, installed_spec_path(spec))
+    files = render(appliance)
+    snapshot = Appliance.from_document(json.loads(files["etc/llm-appliance/rendered/appliance.json"]))
+    assert snapshot == appliance and snapshot.argv == result.plan.argv
     for warning in result.warnings:
         assert warning.file == spec and warning.render().startswith(str(spec))
     return result

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE_FACTS
 
+from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
 from appliance.render.apply import installed_spec_path
 from appliance.render.render import render
@@ -53,7 +54,7 @@ def service_user() -> str:
 
 def _render(spec: Path, name: str) -> dict[str, str]:
     result = validate(spec, facts=EXAMPLE_FACTS[name])
-    return render(result.plan, installed_spec_path(spec))
+    return render(resolve(result.plan, installed_spec_path(spec)))
 
 
 def _write(files: dict[str, str], root: Path) -> Path:

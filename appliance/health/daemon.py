@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from appliance.facts.gpu import Nvml, NvmlUnavailable
 from appliance.health import versions
@@ -30,8 +29,7 @@ from appliance.health.detectors import (
 from appliance.health.exporter import Metrics
 from appliance.health.state import RestartLog
 from appliance.health.units import ServerControl, UnitError, descendants
-from appliance.plan.plan import draft_devices, gpu_devices
-from appliance.render.render import Endpoint
+from appliance.plan.resolved import Appliance
 from appliance.runtime.notify import Notifier
 from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
 from appliance.spec.model import Spec
@@ -44,22 +42,14 @@ CANARY_TOKENS = 32
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    spec: Spec
-    server_url: str
-    api_key_file: Path | None
-    draft_configured: bool
-    gpu_spec: bool
-    engine_dir: Path = paths.ENGINE_DIR
-    state_file: Path = paths.STATE / "health-state.json"
+    """The applied appliance the daemon watches, and where the engine's manifest is."""
 
-    @classmethod
-    def from_spec(cls, spec: Spec, **overrides: Any) -> DaemonConfig:
-        target = spec.models.target
-        gpu = bool([d for d in target.devices if d != "none"]) and target.gpu_layers != 0
-        draft = spec.models.draft is not None and spec.speculative.type.startswith("draft-")
-        return cls(
-            spec, Endpoint(spec.server.host, spec.server.port).url, spec.server.api_key_file, draft, gpu, **overrides
-        )
+    appliance: Appliance
+    engine_dir: Path = paths.ENGINE_DIR
+
+    @property
+    def spec(self) -> Spec:
+        return self.appliance.spec
 
 
 @dataclass
@@ -107,7 +97,8 @@ class HealthDaemon:
         self.config, self.control, self.nvml, self.clock = config, control, nvml, clock
         self.metrics = metrics or Metrics()
         timeout = min(health.probe_timeout_seconds, 0.8 * health.interval_seconds)
-        self.api = api or ServerApi(config.server_url, read_api_key(config.api_key_file), timeout=timeout)
+        appliance = config.appliance
+        self.api = api or ServerApi(appliance.server.url, read_api_key(appliance.api_key_file), timeout=timeout)
         self.decay = DecayDetector(health.decay_ratio, health.consecutive, health.baseline_windows)
         self.creep = CreepDetector(health.creep_ratio, health.consecutive)
         self.policy = RestartPolicy(restart.cooldown_seconds, restart.max_per_hour, restart.idle_timeout_seconds)
@@ -120,20 +111,20 @@ class HealthDaemon:
         self.xids_seen: dict[int, int] = {}
         self.last_context: int | None = None
         self.baseline_versions: dict[str, str | None] | None = None
-        self.metrics.draft_configured.set(1 if config.draft_configured else 0)
+        self.metrics.draft_configured.set(1 if appliance.draft_in_use else 0)
         self.metrics.speculation_engaged.set(1)
-        self.restart_log = RestartLog(config.state_file)
+        self.restart_log = RestartLog(appliance.state_file)
         self._load_baseline()
         self._load_state()
 
     # -- state that outlives the daemon (a server restart restarts the daemon bound to it) --
 
     def _load_baseline(self) -> None:
-        baseline = versions.Baseline.read(self.config.spec.health.baseline_file)
+        baseline = versions.Baseline.read(self.config.appliance.baseline_file)
         if baseline is not None:
             self.decay.baselines.update(baseline.decode_tps)
             self.baseline_versions = baseline.versions
-            log.info("decode baselines from %s: %s", self.config.spec.health.baseline_file, baseline.decode_tps)
+            log.info("decode baselines from %s: %s", self.config.appliance.baseline_file, baseline.decode_tps)
 
     def _load_state(self) -> None:
         restarts = self.restart_log.read()
@@ -200,7 +191,7 @@ class HealthDaemon:
                 self._record_rate(context_bucket(self._context_tokens()), rate, seen)
             self.metrics.drafted.inc(max(w.drafted, 0))
             self.metrics.accepted.inc(max(w.accepted, 0))
-            verdict = speculation(self.config.draft_configured, w, self.config.spec.health.acceptance_min)
+            verdict = speculation(self.config.appliance.draft_in_use, w, self.config.spec.health.acceptance_min)
             if verdict.engaged is not None:
                 self.metrics.speculation_engaged.set(1 if verdict.engaged else 0)
                 if not verdict.engaged:
@@ -279,13 +270,13 @@ class HealthDaemon:
             gpus = self.nvml.gpus()
         except NvmlUnavailable as exc:
             self.metrics.gpu_visible.set(0)
-            if self.config.gpu_spec:  # on a CPU spec no NVML is expected, not an error
+            if self.config.appliance.on_gpu:  # on a CPU spec no NVML is expected, not an error
                 self.metrics.probe_errors.labels("nvml").inc()
                 seen.notes.append(f"GPU not visible ({exc})")
             return
         self.metrics.gpu_visible.set(1)
-        min_free = self.config.spec.health.min_free_mib << 20
-        server_devices = set(gpu_devices(self.config.spec.models.target)) | set(draft_devices(self.config.spec))
+        min_free = self.config.appliance.min_free_bytes
+        server_devices = self.config.appliance.server_devices
         low = False
         for gpu in gpus:
             self.metrics.gpu_total.labels(gpu.device).set(gpu.total_bytes)
@@ -304,7 +295,7 @@ class HealthDaemon:
         self.low_headroom_checks = self.low_headroom_checks + 1 if low and seen.up else 0
         if self.low_headroom_checks >= self.config.spec.health.consecutive:
             seen.reason = seen.reason or "headroom"
-        if not self.config.gpu_spec:
+        if not self.config.appliance.on_gpu:
             return
         pid = self._main_pid()
         if pid is None:

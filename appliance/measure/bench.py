@@ -35,8 +35,8 @@ from types import TracebackType
 from typing import Any, Literal, TextIO
 
 from appliance.plan.plan import build_argv
+from appliance.plan.resolved import Endpoint
 from appliance.plan.validate import Validated
-from appliance.render.render import Endpoint
 from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
 from appliance.spec.model import Spec
 from appliance.spec.problems import Severity

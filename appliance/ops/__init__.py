@@ -1,1 +1,1 @@
-"""Floor 5, provisioning: install/uninstall, the engine build, the demo models. Imports the floors below."""
+"""Floor 6, provisioning: install/uninstall, the engine build, the demo models. Imports the floors below."""

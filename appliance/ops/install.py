@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.ops import engine, models
+from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
 from appliance.render.apply import (
     Change,
@@ -29,8 +30,7 @@ from appliance.render.apply import (
     write,
     write_atomically,
 )
-from appliance.render.render import FILES, launch_document, render
-from appliance.runtime.launch import LaunchPlan
+from appliance.render.render import FILES, RETIRED, render
 from appliance.system import paths
 
 SHIPPED_RECORD = "shipped-etc.json"
@@ -187,7 +187,7 @@ def copy_specs(options: Options, report: Report) -> None:
 def apply_spec(options: Options, report: Report) -> list[Change]:
     spec = options.under(paths.ETC) / options.spec.name
     result = validate(spec)
-    files = render(result.plan, installed_spec_path(spec))
+    files = render(resolve(result.plan, installed_spec_path(spec)))
     found = changes(files, options.root)
     write(found, options.root)
     for change in found:
@@ -229,7 +229,7 @@ def uninstall(root: Path = Path("/"), purge: bool = False) -> Report:
             ):
                 run(["systemctl", "disable", "--now", unit], check=False)
                 report.did(f"stopped and disabled {unit}")
-    for relative in FILES:
+    for relative in (*FILES, *RETIRED):
         target = root / relative
         if target.exists():
             target.unlink()
@@ -310,7 +310,7 @@ def main_install(repo: Path, spec: Path | None, demo: bool, root: Path, start: b
         run(["systemctl", "--no-pager", "--lines=0", "status", paths.SERVER_UNIT], check=False)
         log(f"running; `systemctl status {paths.SERVER_UNIT}` and `journalctl -u {paths.SERVER_UNIT}` tell how it is")
         return 0
-    from appliance.runtime.service import up
+    from appliance.health.service import up
 
     installed = paths.ETC / chosen.name
     print("systemd is not PID 1 here: the units are installed but cannot be started.")
@@ -319,4 +319,4 @@ def main_install(repo: Path, spec: Path | None, demo: bool, root: Path, start: b
         flush=True,
     )
     result = validate(installed)
-    return up(result.plan.spec, LaunchPlan.from_document(launch_document(result.plan)), stop_timeout=30.0)
+    return up(resolve(result.plan, installed), stop_timeout=30.0)

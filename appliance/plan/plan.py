@@ -56,7 +56,13 @@ class Plan:
 
     @property
     def speculation(self) -> bool:
-        return self.draft is not None and self.spec.speculative.type != "none"
+        """The server will draft: the draft model's file was read and the spec drafts with it."""
+        return self.draft is not None and draft_in_use(self.spec)
+
+
+def draft_in_use(spec: Spec) -> bool:
+    """A draft model is configured and the speculative type is one that drafts with it."""
+    return spec.models.draft is not None and spec.speculative.type.startswith("draft-")
 
 
 def gpu_devices(model: Model) -> list[str]:
@@ -262,8 +268,15 @@ class _Argv:
 def build_argv(spec: Spec, dialect: Dialect, binary: str, draft_in_use: bool) -> tuple[tuple[str, ...], list[Problem]]:
     """The llama-server command line in the binary's own dialect, grouped: serving, model, draft."""
     argv = _Argv(binary, dialect)
-    flag = argv.flag
-    server, target = spec.server, spec.models.target
+    _serving_flags(argv, spec)
+    _model_flags(argv, spec)
+    _speculative_flags(argv, spec, draft_in_use)
+    problems = argv.problems + _extra_arg_problems(spec.server.extra_args, argv.args, dialect)
+    return (*argv.args, *spec.server.extra_args), problems
+
+
+def _serving_flags(argv: _Argv, spec: Spec) -> None:
+    flag, server = argv.flag, spec.server
     flag("host", "server.host", server.host)
     flag("port", "server.port", str(server.port))
     if server.api_key_file is not None:
@@ -272,6 +285,10 @@ def build_argv(spec: Spec, dialect: Dialect, binary: str, draft_in_use: bool) ->
     flag("slots", "server", required=False)
     flag("offline", "server", required=False)  # no model fetching at run time
     flag("fit", "memory", "off", required=False)  # the memory plan is ours, not an automatic refit
+
+
+def _model_flags(argv: _Argv, spec: Spec) -> None:
+    flag, server, target = argv.flag, spec.server, spec.models.target
     flag("model", "models.target.path", str(target.path))
     flag("ctx_size", "server.ctx_size", str(server.ctx_size))
     flag("parallel", "server.parallel", str(server.parallel))
@@ -280,7 +297,7 @@ def build_argv(spec: Spec, dialect: Dialect, binary: str, draft_in_use: bool) ->
     flag("batch_size", "server.batch_size", str(server.batch_size))
     flag("ubatch_size", "server.ubatch_size", str(server.ubatch_size))
     flag("flash_attn", "server.flash_attn", server.flash_attn)
-    if dialect.spelling("load_mode"):
+    if argv.dialect.spelling("load_mode"):
         flag("load_mode", "server.load_mode", server.load_mode)
     elif server.load_mode in ("mlock", "mmap+mlock"):
         flag("mlock", "server.load_mode")
@@ -299,7 +316,10 @@ def build_argv(spec: Spec, dialect: Dialect, binary: str, draft_in_use: bool) ->
     flag("repeat_penalty", "server.sampling.repeat_penalty", f"{sampling.repeat_penalty:g}")
     if sampling.seed is not None:
         flag("seed", "server.sampling.seed", str(sampling.seed))
-    draft, speculative = spec.models.draft, spec.speculative
+
+
+def _speculative_flags(argv: _Argv, spec: Spec, draft_in_use: bool) -> None:
+    flag, draft, speculative = argv.flag, spec.models.draft, spec.speculative
     if draft is not None and draft_in_use:
         # Without --spec-type draft-simple current llama-server loads the draft and never drafts.
         # Binaries older than --spec-type drafted with the draft model alone.
@@ -320,8 +340,6 @@ def build_argv(spec: Spec, dialect: Dialect, binary: str, draft_in_use: bool) ->
         )
     elif draft is None and speculative.type.startswith("ngram"):
         flag("spec_type", "speculative.type", speculative.type)
-    problems = argv.problems + _extra_arg_problems(server.extra_args, argv.args, dialect)
-    return (*argv.args, *server.extra_args), problems
 
 
 def _extra_arg_problems(extra: list[str], planned: list[str], dialect: Dialect) -> list[Problem]:
@@ -368,7 +386,7 @@ SPELLING_OWNER = {spelling: option for option, spellings in SPELLINGS.items() fo
 
 def plan(spec: Spec, facts: MachineFacts, target: ModelInfo, draft: ModelInfo | None) -> Plan:
     binary = str(facts.binary) if facts.binary else spec.server.binary
-    argv, found = build_argv(spec, facts.dialect, binary, draft is not None)
+    argv, found = build_argv(spec, facts.dialect, binary, draft is not None and draft_in_use(spec))
     device_budgets, budget_problems, per_token = budgets(spec, facts, target, draft)
     found += budget_problems
     found += model_problems(spec, target, draft)

@@ -1,6 +1,7 @@
-"""Render a plan into the appliance's files: a pure function from (Plan, install paths) to {path: text}.
+"""Render the resolved appliance into its files: a pure function from Appliance to {path: text}.
 
-Templates see only the small view built here, never the spec model, so they stay loops and conditionals.
+Templates see only the view built here, every value ready to print, so they stay loops and conditionals:
+no arithmetic, no string surgery, no lists built in a template.
 """
 
 from __future__ import annotations
@@ -10,27 +11,12 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import jinja2
 
 from appliance import __version__
-from appliance.plan.plan import Plan, draft_devices, gpu_devices
+from appliance.plan.resolved import SNAPSHOT, Appliance, Endpoint
 from appliance.system import paths
-
-# Device nodes every CUDA process opens, besides /dev/nvidiaN of its GPUs.
-GPU_COMMON_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    host: str
-    port: int
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '::') else host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -39,18 +25,21 @@ class View:
     spec_file: str
     cli: str
     rendered_dir: str
+    snapshot: str
     state_dir: str
     user: str
     nft_table: str
     server: Endpoint
     exporter: Endpoint
     api_key_file: str | None
-    gpu_devices: tuple[str, ...]
-    gpu_nodes: tuple[str, ...]
-    gpu_node_common: tuple[str, ...]
+    on_gpu_devices: bool  # the server uses a GPU: device nodes open, NVML read, GPU alerts
+    server_device_nodes: tuple[str, ...]
+    health_device_nodes: tuple[str, ...]
     mlock: bool
-    allow_v4: tuple[str, ...]
-    allow_v6: tuple[str, ...]
+    allow_v4: str  # nftables set elements, comma-separated
+    allow_v6: str
+    server_allow: tuple[str, ...]  # IPAddressAllow= of the server unit
+    health_allow: tuple[str, ...]  # ...of the health unit: none when the exporter listens on loopback
     egress_deny: bool
     schedule: str
     randomized_delay_seconds: int
@@ -59,66 +48,95 @@ class View:
     restart_unit: str
     server_unit: str
     health_unit: str
-    launch_json: str
-    health_json: str
+    snapshot_json: str
     scrape_interval: str
     labels: tuple[tuple[str, str], ...]  # the spec's labels, each value quoted (valid in YAML and in PromQL)
+    selectors: dict[str, str]  # each series the alerts read, with the spec's labels as matchers
     decay_ratio: float
     creep_ratio: float
     min_free_bytes: int
+    min_free_mib: int
     acceptance_min: float
     draft_configured: bool
     max_per_hour: int
-    health_interval_seconds: int
     alert_for: dict[str, str]  # alert (AlertForSeconds field) -> its `for:` as a Prometheus duration
-    label_matchers: str  # the spec's labels as PromQL matchers: `appliance="demo"`
 
 
-def view(plan: Plan, spec_file: Path) -> View:
-    spec = plan.spec
+def view(appliance: Appliance) -> View:
+    spec = appliance.spec
     allow = spec.network.allow
-    devices = sorted(set(gpu_devices(spec.models.target)) | set(draft_devices(spec)))
-    header = f"generated from {spec_file} by llm-appliance {__version__}; edit the spec and run `llm-appliance apply`, not this file"
-    health_interval = spec.health.interval_seconds
+    allow_v4 = tuple(a for a in allow if ":" not in a)
+    allow_v6 = tuple(a for a in allow if ":" in a)
+    header = f"generated from {appliance.spec_file} by llm-appliance {__version__}; edit the spec and run `llm-appliance apply`, not this file"
+    labels = sorted(spec.prometheus.labels.items())
     return View(
         header=header,
-        spec_file=str(spec_file),
+        spec_file=str(appliance.spec_file),
         cli=str(paths.CLI),
         rendered_dir=str(paths.RENDERED),
+        snapshot=str(SNAPSHOT),
         state_dir=str(paths.STATE),
         user=paths.SERVICE_USER,
         nft_table=paths.NFT_TABLE,
-        server=Endpoint(spec.server.host, spec.server.port),
-        exporter=Endpoint(spec.prometheus.host, spec.prometheus.port),
-        api_key_file=str(spec.server.api_key_file) if spec.server.api_key_file else None,
-        gpu_devices=tuple(devices),
-        gpu_nodes=tuple(f"/dev/nvidia{d.removeprefix('CUDA')}" for d in devices if d.startswith("CUDA")),
-        gpu_node_common=GPU_COMMON_NODES if devices else (),
+        server=appliance.server,
+        exporter=appliance.exporter,
+        api_key_file=str(appliance.api_key_file) if appliance.api_key_file else None,
+        on_gpu_devices=bool(appliance.server_devices),
+        server_device_nodes=appliance.server_device_nodes,
+        health_device_nodes=appliance.health_device_nodes,
         mlock="mlock" in spec.server.load_mode,
-        allow_v4=tuple(a for a in allow if ":" not in a),
-        allow_v6=tuple(a for a in allow if ":" in a),
+        allow_v4=", ".join(allow_v4),
+        allow_v6=", ".join(allow_v6),
+        server_allow=allow_v4 + allow_v6,
+        health_allow=() if appliance.exporter.loopback_only else allow_v4 + allow_v6,
         egress_deny=spec.network.egress == "deny",
         schedule=spec.restart.schedule,
         randomized_delay_seconds=spec.restart.randomized_delay_seconds,
         watchdog_seconds=spec.health.watchdog_seconds,
-        health_watchdog_seconds=max(3 * health_interval, 30),
+        health_watchdog_seconds=max(3 * spec.health.interval_seconds, 30),
         restart_unit=paths.RESTART_UNIT,
         server_unit=paths.SERVER_UNIT,
         health_unit=paths.HEALTH_UNIT,
-        launch_json=_json({"generated": header, **launch_document(plan)}),
-        health_json=_json({"generated": header, **health_document(plan)}),
+        snapshot_json=appliance.to_json(header),
         scrape_interval=f"{spec.prometheus.scrape_interval_seconds}s",
-        labels=tuple((name, _quoted(value)) for name, value in sorted(spec.prometheus.labels.items())),
+        labels=tuple((name, _quoted(value)) for name, value in labels),
+        selectors=selectors(appliance, [f"{name}={_quoted(value)}" for name, value in labels]),
         decay_ratio=spec.health.decay_ratio,
         creep_ratio=spec.health.creep_ratio,
-        min_free_bytes=spec.health.min_free_mib << 20,
+        min_free_bytes=appliance.min_free_bytes,
+        min_free_mib=spec.health.min_free_mib,
         acceptance_min=spec.health.acceptance_min,
-        draft_configured=plan.speculation,
+        draft_configured=appliance.draft_in_use,
         max_per_hour=spec.restart.max_per_hour,
-        health_interval_seconds=health_interval,
         alert_for={name: duration(s) for name, s in spec.prometheus.alert_for_seconds.model_dump().items()},
-        label_matchers=", ".join(f"{name}={_quoted(value)}" for name, value in sorted(spec.prometheus.labels.items())),
     )
+
+
+def selectors(appliance: Appliance, label_matchers: list[str]) -> dict[str, str]:
+    """Every selector carries the spec's labels, so two appliances in one Prometheus never answer for each other."""
+
+    def series(metric: str, *matchers: str) -> str:
+        every = [*matchers, *label_matchers]
+        return f"{metric}{{{', '.join(every)}}}" if every else metric
+
+    devices = "|".join(appliance.server_devices)
+    return {
+        "server_up": series("llm_appliance_server_up"),
+        "server_scraped": series("up", 'job="llm-appliance-llama-server"'),
+        "health_scraped": series("up", 'job="llm-appliance-health"'),
+        "decode_tps": series("llm_appliance_decode_tokens_per_second"),
+        "decode_baseline": series("llm_appliance_decode_baseline_tokens_per_second"),
+        "vram_creep": series("llm_appliance_server_vram_creep_ratio"),
+        "gpu_free": series("llm_appliance_gpu_memory_free_bytes", f'device=~"{devices}"'),
+        "speculation_engaged": series("llm_appliance_speculation_engaged"),
+        "draft_configured": series("llm_appliance_draft_configured"),
+        "acceptance": series("llm_appliance_speculation_acceptance_ratio"),
+        "drafted": series("llm_appliance_speculation_drafted_tokens_total"),
+        "version_mismatch": series("llm_appliance_version_mismatch"),
+        "version_drift": series("llm_appliance_version_drift"),
+        "restart_budget_exhausted": series("llm_appliance_restart_budget_exhausted"),
+        "unplanned_restarts": series("llm_appliance_restarts_total", 'reason!~"scheduled|manual"'),
+    }
 
 
 def _quoted(value: str) -> str:
@@ -132,36 +150,6 @@ def duration(seconds: int) -> str:
     return "".join(f"{n}{unit}" for n, unit in parts if n) or "0s"
 
 
-def launch_document(plan: Plan) -> dict[str, Any]:
-    """What the launcher needs: the argv and how to tell the server is ready and drafting."""
-    spec = plan.spec
-    return {
-        "argv": list(plan.argv),
-        "health_url": f"{Endpoint(spec.server.host, spec.server.port).url}/health",
-        "api_key_file": str(spec.server.api_key_file) if spec.server.api_key_file else None,
-        "draft_configured": plan.speculation,
-        "watchdog_seconds": spec.health.watchdog_seconds,
-    }
-
-
-def health_document(plan: Plan) -> dict[str, Any]:
-    spec = plan.spec
-    return {
-        "server_url": Endpoint(spec.server.host, spec.server.port).url,
-        "server_unit": paths.SERVER_UNIT,
-        "draft_configured": plan.speculation,
-        "planned_vram_bytes": {b.device: b.used_bytes for b in plan.budgets},
-        "health": spec.health.model_dump(mode="json"),
-        "restart": spec.restart.model_dump(mode="json"),
-        "versions": spec.versions.model_dump(mode="json"),
-        "prometheus": spec.prometheus.model_dump(mode="json"),
-    }
-
-
-def _json(document: dict[str, Any]) -> str:
-    return json.dumps(document, indent=2, sort_keys=True) + "\n"
-
-
 # Rendered file (relative to the root) -> its template.
 FILES = {
     f"etc/systemd/system/{paths.SERVER_UNIT}": "server.service.j2",
@@ -169,12 +157,13 @@ FILES = {
     f"etc/systemd/system/{paths.RESTART_UNIT}": "restart.service.j2",
     f"etc/systemd/system/{paths.RESTART_TIMER}": "restart.timer.j2",
     "etc/llm-appliance/rendered/llm-appliance.nft": "firewall.nft.j2",
-    "etc/llm-appliance/rendered/launch.json": "launch.json.j2",
-    "etc/llm-appliance/rendered/health.json": "health.json.j2",
+    str(SNAPSHOT.relative_to("/")): "appliance.json.j2",
     "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml": "alerts.rules.yml.j2",
     "etc/llm-appliance/rendered/prometheus/scrape.yml": "scrape.yml.j2",
     "etc/polkit-1/rules.d/50-llm-appliance.rules": "polkit.rules.j2",
 }
+# Files earlier versions rendered and this one does not: uninstall removes them too.
+RETIRED = ("etc/llm-appliance/rendered/launch.json", "etc/llm-appliance/rendered/health.json")
 
 
 @cache
@@ -195,7 +184,7 @@ def templates_dir() -> Path:
     return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "templates"
 
 
-def render(plan: Plan, spec_file: Path) -> dict[str, str]:
-    """Every file of the appliance, by path relative to the root; the same plan gives the same bytes."""
-    context = view(plan, spec_file)
+def render(appliance: Appliance) -> dict[str, str]:
+    """Every file of the appliance, by path relative to the root; the same appliance gives the same bytes."""
+    context = view(appliance)
     return {path: _environment().get_template(template).render(v=context) for path, template in sorted(FILES.items())}

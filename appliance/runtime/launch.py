@@ -9,7 +9,6 @@ child gracefully on SIGTERM, and checks that the draft model is really drafting.
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import signal
 import subprocess
@@ -20,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
+from appliance.plan.resolved import Appliance
 from appliance.runtime.notify import Notifier, watchdog_interval
 from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
 
@@ -47,19 +46,14 @@ class LaunchPlan:
         return self.health_url.removesuffix("/health")
 
     @classmethod
-    def from_document(cls, document: dict[str, Any]) -> LaunchPlan:
-        key = document.get("api_key_file")
+    def of(cls, appliance: Appliance) -> LaunchPlan:
         return cls(
-            argv=tuple(document["argv"]),
-            health_url=document["health_url"],
-            api_key_file=Path(key) if key else None,
-            draft_configured=bool(document["draft_configured"]),
-            watchdog_seconds=int(document.get("watchdog_seconds", 0)),
+            argv=appliance.argv,
+            health_url=appliance.health_url,
+            api_key_file=appliance.api_key_file,
+            draft_configured=appliance.draft_in_use,
+            watchdog_seconds=appliance.spec.health.watchdog_seconds,
         )
-
-    @classmethod
-    def from_file(cls, path: Path) -> LaunchPlan:
-        return cls.from_document(json.loads(path.read_text()))
 
 
 def _die_with_parent() -> None:

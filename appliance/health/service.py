@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 from appliance.facts.gpu import Pynvml
 from appliance.health import versions
@@ -16,31 +15,29 @@ from appliance.health.daemon import DaemonConfig, HealthDaemon
 from appliance.health.exporter import Metrics, serve
 from appliance.health.state import RestartLog
 from appliance.health.units import SystemdUnit, UnitError
+from appliance.plan.resolved import Appliance
 from appliance.runtime.launch import Launcher, LaunchPlan
 from appliance.runtime.notify import Notifier
 from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
-from appliance.spec.load import load_spec
-from appliance.spec.model import Spec
 from appliance.system import paths
 
 log = logging.getLogger("llm-appliance.health")
 
 
-def run_daemon(spec_path: Path) -> int:
-    spec = load_spec(spec_path).spec
+def run_daemon(appliance: Appliance) -> int:
     metrics = Metrics()
-    serve(metrics, spec.prometheus.host, spec.prometheus.port)
-    daemon = HealthDaemon(DaemonConfig.from_spec(spec), SystemdUnit(paths.SERVER_UNIT), Pynvml(), metrics)
+    serve(metrics, appliance.exporter.host, appliance.exporter.port)
+    daemon = HealthDaemon(DaemonConfig(appliance), SystemdUnit(paths.SERVER_UNIT), Pynvml(), metrics)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    log.info("exporting metrics on %s:%d", spec.prometheus.host, spec.prometheus.port)
+    log.info("exporting metrics on %s", appliance.exporter.url)
     return daemon.run(stop)
 
 
-def check_versions(spec_path: Path) -> int:
+def check_versions(appliance: Appliance) -> int:
     """ExecStartPre of the server: refuse the start on a pin mismatch when the spec says refuse."""
-    spec = load_spec(spec_path).spec
+    spec = appliance.spec
     found = versions.detect(Pynvml(), paths.ENGINE_DIR)
     problems = versions.mismatches(spec.versions, found)
     summary = (
@@ -58,11 +55,12 @@ def check_versions(spec_path: Path) -> int:
     return 0
 
 
-def restart_when_idle(spec_path: Path, reason: str, control: SystemdUnit | None = None) -> int:
+def restart_when_idle(appliance: Appliance, reason: str, control: SystemdUnit | None = None) -> int:
     """What the timer runs: wait until no request is processing (idle_timeout at the latest), restart."""
-    spec = load_spec(spec_path).spec
-    config = DaemonConfig.from_spec(spec)
-    api = ServerApi(config.server_url, read_api_key(config.api_key_file), timeout=spec.health.probe_timeout_seconds)
+    spec = appliance.spec
+    api = ServerApi(
+        appliance.server.url, read_api_key(appliance.api_key_file), timeout=spec.health.probe_timeout_seconds
+    )
     control = control or SystemdUnit(paths.SERVER_UNIT)
     deadline = time.monotonic() + spec.restart.idle_timeout_seconds
     while time.monotonic() < deadline:
@@ -75,7 +73,7 @@ def restart_when_idle(spec_path: Path, reason: str, control: SystemdUnit | None 
         time.sleep(1.0)
     else:
         log.warning("still busy after idle_timeout (%d s): restarting anyway", spec.restart.idle_timeout_seconds)
-    RestartLog(config.state_file).append(time.time(), reason)
+    RestartLog(appliance.state_file).append(time.time(), reason)
     try:
         control.restart(reason)
     except UnitError as exc:
@@ -101,19 +99,19 @@ class LauncherControl:
         self.launcher.request_restart()
 
 
-def up(spec: Spec, plan: LaunchPlan, stop_timeout: float, state_dir: Path | None = None) -> int:
+def up(appliance: Appliance, stop_timeout: float) -> int:
     """Launcher in the foreground, health daemon and exporter beside it; Ctrl-C stops both."""
+    spec = appliance.spec
     metrics = Metrics()
-    serve(metrics, spec.prometheus.host, spec.prometheus.port)
-    launcher = Launcher(plan, stop_timeout=stop_timeout)
-    overrides = {"state_file": state_dir / "health-state.json"} if state_dir else {}
-    daemon = HealthDaemon(DaemonConfig.from_spec(spec, **overrides), LauncherControl(launcher), Pynvml(), metrics)
+    serve(metrics, appliance.exporter.host, appliance.exporter.port)
+    launcher = Launcher(LaunchPlan.of(appliance), stop_timeout=stop_timeout)
+    daemon = HealthDaemon(DaemonConfig(appliance), LauncherControl(launcher), Pynvml(), metrics)
     # The daemon's READY/STATUS must not reach the launcher's socket: one process, one notifier.
     thread = threading.Thread(
         target=daemon.run, args=(launcher.stop_requested, Notifier(enabled=False)), daemon=True, name="health"
     )
     thread.start()
-    log.info("health daemon exporting metrics on %s:%d", spec.prometheus.host, spec.prometheus.port)
+    log.info("health daemon exporting metrics on %s", appliance.exporter.url)
     code = launcher.run()
     launcher.stop_requested.set()
     thread.join(timeout=spec.health.interval_seconds + 5)

@@ -1,0 +1,200 @@
+"""The appliance as resolved: the spec as written plus every fact derived from it, computed once.
+
+Two layers, as in Knot Resolver's manager: `spec` is what the user wrote (validated), the other fields are
+what it means on this machine with these model files. Render, the launcher, the health daemon, bench and
+tune read these fields instead of re-deriving them. `apply` writes the resolved appliance into the
+rendered tree as a JSON snapshot; the server and health units start from that snapshot alone, so what runs
+is always what was applied and checked, whatever the spec file on disk says since.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from appliance.plan.plan import Plan, draft_devices, gpu_devices
+from appliance.spec.model import Spec
+from appliance.system import paths
+
+SNAPSHOT_VERSION = 1
+SNAPSHOT = paths.RENDERED / "appliance.json"
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+# Device nodes every CUDA process opens, besides /dev/nvidiaN of its GPUs; NVML needs only the control node.
+NVIDIA_CONTROL = "/dev/nvidiactl"
+GPU_COMMON_NODES = (NVIDIA_CONTROL, "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+
+class SnapshotError(Exception):
+    """The applied snapshot is missing, unreadable or from another version; the message says what to run."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        """host:port as a client dials it: a wildcard listener is reached on loopback."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    @property
+    def loopback_only(self) -> bool:
+        return self.host in LOOPBACK_HOSTS
+
+
+@dataclass(frozen=True)
+class Appliance:
+    spec: Spec
+    spec_file: Path  # where apply installs the spec; the units and alerts name it
+    binary: str
+    argv: tuple[str, ...]
+    server: Endpoint
+    exporter: Endpoint
+    api_key_file: Path | None
+    draft_in_use: bool
+    on_gpu: bool  # the target model is offloaded to a GPU
+    server_devices: tuple[str, ...]  # every GPU the server uses (target and draft)
+    server_device_nodes: tuple[str, ...]  # what the server's sandbox opens for them (read-write)
+    health_device_nodes: tuple[str, ...]  # what NVML opens for the health daemon (read-only)
+    planned_vram_bytes: dict[str, int]
+    min_free_bytes: int
+    slot_ctx: int
+    state_file: Path
+    baseline_file: Path
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.server.url}/health"
+
+    # -- the snapshot --
+
+    def document(self) -> dict[str, Any]:
+        """JSON-ready: the spec as written (normalised) and the resolved facts beside it."""
+        return {
+            "snapshot_version": SNAPSHOT_VERSION,
+            "spec_file": str(self.spec_file),
+            "spec": self.spec.model_dump(mode="json"),
+            "resolved": {
+                "binary": self.binary,
+                "argv": list(self.argv),
+                "server": {"host": self.server.host, "port": self.server.port},
+                "exporter": {"host": self.exporter.host, "port": self.exporter.port},
+                "api_key_file": str(self.api_key_file) if self.api_key_file else None,
+                "draft_in_use": self.draft_in_use,
+                "on_gpu": self.on_gpu,
+                "server_devices": list(self.server_devices),
+                "server_device_nodes": list(self.server_device_nodes),
+                "health_device_nodes": list(self.health_device_nodes),
+                "planned_vram_bytes": dict(self.planned_vram_bytes),
+                "min_free_bytes": self.min_free_bytes,
+                "slot_ctx": self.slot_ctx,
+                "state_file": str(self.state_file),
+                "baseline_file": str(self.baseline_file),
+            },
+        }
+
+    @classmethod
+    def from_document(cls, document: dict[str, Any]) -> Appliance:
+        if document.get("snapshot_version") != SNAPSHOT_VERSION:
+            raise ValueError(f"snapshot version {document.get('snapshot_version')!r}, expected {SNAPSHOT_VERSION}")
+        r = document["resolved"]
+        key = r["api_key_file"]
+        return cls(
+            spec=Spec.model_validate(document["spec"], strict=False),
+            spec_file=Path(document["spec_file"]),
+            binary=str(r["binary"]),
+            argv=tuple(str(a) for a in r["argv"]),
+            server=Endpoint(str(r["server"]["host"]), int(r["server"]["port"])),
+            exporter=Endpoint(str(r["exporter"]["host"]), int(r["exporter"]["port"])),
+            api_key_file=Path(key) if key else None,
+            draft_in_use=bool(r["draft_in_use"]),
+            on_gpu=bool(r["on_gpu"]),
+            server_devices=tuple(str(d) for d in r["server_devices"]),
+            server_device_nodes=tuple(str(n) for n in r["server_device_nodes"]),
+            health_device_nodes=tuple(str(n) for n in r["health_device_nodes"]),
+            planned_vram_bytes={str(k): int(v) for k, v in r["planned_vram_bytes"].items()},
+            min_free_bytes=int(r["min_free_bytes"]),
+            slot_ctx=int(r["slot_ctx"]),
+            state_file=Path(r["state_file"]),
+            baseline_file=Path(r["baseline_file"]),
+        )
+
+    def to_json(self, header: str) -> str:
+        return json.dumps({"generated": header, **self.document()}, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def read(cls, path: Path = SNAPSHOT) -> Appliance:
+        """The applied appliance, as the units start it."""
+        try:
+            return cls.from_document(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise SnapshotError(f"{path} does not exist: nothing is applied; run `llm-appliance apply SPEC`") from None
+        except (OSError, ValueError, KeyError, TypeError, ValidationError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise SnapshotError(f"cannot read {path}: {reason}; re-run `llm-appliance apply SPEC`") from None
+
+
+def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appliance:
+    """The one place each derived fact is computed."""
+    spec = plan.spec
+    devices = tuple(sorted(set(gpu_devices(spec.models.target)) | set(draft_devices(spec))))
+    gpu_nodes = tuple(f"/dev/nvidia{d.removeprefix('CUDA')}" for d in devices if d.startswith("CUDA"))
+    return Appliance(
+        spec=spec,
+        spec_file=spec_file,
+        binary=plan.argv[0],
+        argv=plan.argv,
+        server=Endpoint(spec.server.host, spec.server.port),
+        exporter=Endpoint(spec.prometheus.host, spec.prometheus.port),
+        api_key_file=spec.server.api_key_file,
+        draft_in_use=plan.speculation,
+        on_gpu=bool(gpu_devices(spec.models.target)),
+        server_devices=devices,
+        server_device_nodes=gpu_nodes + GPU_COMMON_NODES if devices else (),
+        health_device_nodes=(NVIDIA_CONTROL, *gpu_nodes) if devices else (),
+        planned_vram_bytes={b.device: b.used_bytes for b in plan.budgets},
+        min_free_bytes=spec.health.min_free_mib << 20,
+        slot_ctx=spec.server.slot_ctx,
+        state_file=state_dir / "health-state.json",
+        baseline_file=spec.health.baseline_file,
+    )
+
+
+def changed_fields(applied: Appliance, proposed: Appliance) -> list[str]:
+    """What differs between two appliances, a line per field: spec fields as written, then resolved facts."""
+    old, new = _flatten(applied.document()), _flatten(proposed.document())
+    return [
+        f"{key}: {_change(old.get(key), new.get(key))}"
+        for key in sorted(old.keys() | new.keys(), key=lambda k: (k.startswith("resolved."), k))
+        if old.get(key) != new.get(key)
+    ]
+
+
+def _flatten(document: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in document.items():
+        name = f"{prefix}{key}".removeprefix("spec.")
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _change(old: Any, new: Any) -> str:
+    if isinstance(old, list) and isinstance(new, list) and len(old) + len(new) > 8:
+        # A long list (the argv) reads better as what left it and what joined it.
+        gone = [item for item in old if item not in new]
+        added = [item for item in new if item not in old]
+        return f"without {json.dumps(gone)}, with {json.dumps(added)}"
+    return f"{json.dumps(old)} -> {json.dumps(new)}"
