@@ -175,7 +175,9 @@ def test_an_edit_that_was_not_applied_changes_nothing_that_runs_and_status_says_
     assert edited != applied
     spec.write_text(edited)
     try:
-        # A restart re-reads what the units start from: the applied snapshot, not the edited spec.
+        # A restart re-reads what the units start from: the applied snapshot, not the edited spec. This suite
+        # starts the server more often than the unit's StartLimitBurst allows in its interval: reset the count.
+        machine.run("systemctl reset-failed llm-appliance-server.service", check=False)
         machine.run("systemctl restart llm-appliance-server.service", timeout=300)
         machine.wait_for("systemctl is-active llm-appliance-health.service", 60, "the health unit")
         argv = machine.run(f"tr '\\0' ' ' < /proc/{server_pid(machine)}/cmdline").stdout
