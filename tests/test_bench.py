@@ -17,23 +17,11 @@ import pytest
 import appliance.cli.main as cli
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
-from appliance.measure.bench import (
-    CHAT_MARGIN,
-    NO_DRAFT,
-    BenchError,
-    Config,
-    Progress,
-    Sample,
-    Stats,
-    WorkloadResult,
-    fit_document,
-    free_port,
-    load_suite,
-    long_prompt,
-    prepare,
-    server_argv,
-)
 from appliance.measure.chart import draw_bench_chart
+from appliance.measure.config import NO_DRAFT, BenchError, Config
+from appliance.measure.measure import Progress, Sample, Stats, WorkloadResult
+from appliance.measure.server import free_port, server_argv
+from appliance.measure.suite import CHAT_MARGIN, fit_document, load_suite, long_prompt, prepare
 from appliance.plan.validate import validate
 from appliance.render.render import launch_document
 from appliance.runtime.server_api import ServerApi, ServerUnreachable

@@ -14,25 +14,22 @@ import pytest
 import appliance.cli.main as cli
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
-from appliance.measure.bench import BenchError, Config
-from appliance.measure.tune import (
+from appliance.measure.config import BenchError, Config
+from appliance.measure.report import format_report, updated_spec
+from appliance.measure.search import (
     N_MAX_GRID,
     Memo,
     Param,
-    ServerMeasure,
     Value,
     default_params,
     descend,
     exhaustive,
-    format_report,
     grid_configs,
     harmonic_mix,
-    parse_grid,
-    parse_workloads,
     single,
     tune,
-    updated_spec,
 )
+from appliance.measure.tune import ServerMeasure, parse_grid, parse_workloads
 from appliance.plan.validate import validate
 from appliance.spec.load import parse_spec
 
@@ -214,7 +211,8 @@ def record_sweep(path: Path = SWEEP, reps: int = 3, tokens: int = 32) -> None:
     import os
 
     from appliance.facts.machine import find_binary
-    from appliance.measure.bench import Progress, load_suite
+    from appliance.measure.measure import Progress
+    from appliance.measure.suite import load_suite
     from appliance.ops.engine import version_line
 
     validated = validate(DEMO)
