@@ -14,7 +14,7 @@ import pytest
 import appliance.cli.main as cli
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
-from appliance.measure.config import BenchError, Config
+from appliance.measure.config import BenchError, Config, configured, spec_values, valid
 from appliance.measure.report import format_report, updated_spec
 from appliance.measure.search import (
     N_MAX_GRID,
@@ -117,6 +117,24 @@ def test_n_min_never_exceeds_n_max() -> None:
     assert all(c.n_min <= c.n_max for c in landscape.calls)
     assert search.best.n_min <= search.best.n_max
     assert all(c.n_min <= c.n_max for c in grid_configs(START, default_params()))
+
+
+def test_a_configuration_maps_onto_the_spec_which_says_what_is_valid(tmp_path: Path) -> None:
+    spec = parse_spec(DEMO.read_text(), tmp_path / "demo.toml").spec
+    config = Config(True, 4, 2, 0.4, draft_gpu_layers="all", draft_cache_type="q8_0")
+    tuned = configured(spec, config)
+    assert (tuned.speculative.n_max, tuned.speculative.n_min, tuned.speculative.p_min) == (4, 2, 0.4)
+    assert tuned.models.draft is not None and tuned.models.draft.gpu_layers == "all"
+    assert (tuned.models.draft.cache_type_k, tuned.models.draft.cache_type_v) == ("q8_0", "q8_0")
+    assert tuned.models.target == spec.models.target and tuned.server == spec.server
+    assert Config.of(tuned, draft_gpu_layers=True, draft_cache_type=True) == config
+    assert spec_values(Config(draft=False)) == {"speculative": {"type": "none"}}
+    assert configured(spec, Config(draft=False)).speculative.type == "none"
+    # The spec model's bounds and its n_min <= n_max check, not tune's own.
+    assert valid(Config(True, 2, 2, 0.0)) and not valid(Config(True, 2, 3, 0.0))
+    assert not valid(Config(True, 65, 0, 0.0)) and not valid(Config(True, 4, 0, 1.5))
+    with pytest.raises(BenchError, match=r"speculative\.n_max: Input should be less than or equal to 64"):
+        configured(spec, Config(True, 65, 0, 0.0))
 
 
 def test_the_mix_is_tokens_over_time() -> None:
