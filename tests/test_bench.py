@@ -13,28 +13,16 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-from conftest import resolved
+from conftest import EXAMPLE_FACTS, resolved
 
 import appliance.cli.main as cli
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
-from appliance.measure.bench import (
-    CHAT_MARGIN,
-    NO_DRAFT,
-    BenchError,
-    Config,
-    Progress,
-    Sample,
-    Stats,
-    WorkloadResult,
-    fit_document,
-    free_port,
-    load_suite,
-    long_prompt,
-    prepare,
-    server_argv,
-)
 from appliance.measure.chart import draw_bench_chart
+from appliance.measure.config import NO_DRAFT, BenchError, Config
+from appliance.measure.measure import Progress, Sample, Stats, WorkloadResult
+from appliance.measure.server import free_port, server_argv
+from appliance.measure.suite import CHAT_MARGIN, fit_document, load_suite, long_prompt, prepare
 from appliance.plan.validate import validate
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 
@@ -121,6 +109,25 @@ def test_each_configuration_is_the_plan_with_its_own_speculative_flags(example: 
     layered = server_argv(validated, Config(True, 8, 0, 0.0, draft_gpu_layers=0, draft_cache_type="q8_0"), 1)
     assert layered[layered.index("--spec-draft-type-k") + 1] == "q8_0"
     assert layered[layered.index("--spec-draft-type-v") + 1] == "q8_0"
+
+
+def test_a_configuration_is_planned_again_and_refused_when_its_plan_has_errors(example: Callable[..., Path]) -> None:
+    validated = validate(example("appliance.toml"), facts=EXAMPLE_FACTS["appliance.toml"])
+    argv = server_argv(validated, Config(True, 6, 3, 0.0, draft_cache_type="q4_0"), 18080)
+    assert argv[argv.index("--spec-draft-type-k") + 1] == "q4_0"
+    # An f32 draft cache at this context does not fit beside the 27B target on 24 GB: the plan says so.
+    with pytest.raises(BenchError, match=r"draft cache f32: server.ctx_size: CUDA0 is over budget"):
+        server_argv(validated, Config(True, 6, 3, 0.0, draft_cache_type="f32"), 18080)
+    with pytest.raises(BenchError, match=r"models.draft.gpu_layers: .*less than or equal to 1000"):
+        server_argv(validated, Config(True, 6, 3, 0.0, draft_gpu_layers=1001), 18080)
+
+
+def test_no_measuring_module_starts_a_process_or_writes_a_file_by_itself() -> None:
+    measure = Path(__file__).resolve().parent.parent / "appliance" / "measure"
+    for module in measure.glob("*.py"):
+        text = module.read_text()
+        assert "import subprocess" not in text and "os.replace" not in text, module.name
+        assert len(text.splitlines()) <= 400, f"{module.name} is longer than one sitting"
 
 
 def test_statistics_acceptance_and_mean_accepted_length() -> None:

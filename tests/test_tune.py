@@ -14,25 +14,22 @@ import pytest
 import appliance.cli.main as cli
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
-from appliance.measure.bench import BenchError, Config
-from appliance.measure.tune import (
+from appliance.measure.config import BenchError, Config, configured, spec_values, valid
+from appliance.measure.report import format_report, updated_spec
+from appliance.measure.search import (
     N_MAX_GRID,
     Memo,
     Param,
-    ServerMeasure,
     Value,
     default_params,
     descend,
     exhaustive,
-    format_report,
     grid_configs,
     harmonic_mix,
-    parse_grid,
-    parse_workloads,
     single,
     tune,
-    updated_spec,
 )
+from appliance.measure.tune import ServerMeasure, parse_grid, parse_workloads
 from appliance.plan.validate import validate
 from appliance.spec.load import parse_spec
 
@@ -120,6 +117,24 @@ def test_n_min_never_exceeds_n_max() -> None:
     assert all(c.n_min <= c.n_max for c in landscape.calls)
     assert search.best.n_min <= search.best.n_max
     assert all(c.n_min <= c.n_max for c in grid_configs(START, default_params()))
+
+
+def test_a_configuration_maps_onto_the_spec_which_says_what_is_valid(tmp_path: Path) -> None:
+    spec = parse_spec(DEMO.read_text(), tmp_path / "demo.toml").spec
+    config = Config(True, 4, 2, 0.4, draft_gpu_layers="all", draft_cache_type="q8_0")
+    tuned = configured(spec, config)
+    assert (tuned.speculative.n_max, tuned.speculative.n_min, tuned.speculative.p_min) == (4, 2, 0.4)
+    assert tuned.models.draft is not None and tuned.models.draft.gpu_layers == "all"
+    assert (tuned.models.draft.cache_type_k, tuned.models.draft.cache_type_v) == ("q8_0", "q8_0")
+    assert tuned.models.target == spec.models.target and tuned.server == spec.server
+    assert Config.of(tuned, draft_gpu_layers=True, draft_cache_type=True) == config
+    assert spec_values(Config(draft=False)) == {"speculative": {"type": "none"}}
+    assert configured(spec, Config(draft=False)).speculative.type == "none"
+    # The spec model's bounds and its n_min <= n_max check, not tune's own.
+    assert valid(Config(True, 2, 2, 0.0)) and not valid(Config(True, 2, 3, 0.0))
+    assert not valid(Config(True, 65, 0, 0.0)) and not valid(Config(True, 4, 0, 1.5))
+    with pytest.raises(BenchError, match=r"speculative\.n_max: Input should be less than or equal to 64"):
+        configured(spec, Config(True, 65, 0, 0.0))
 
 
 def test_the_mix_is_tokens_over_time() -> None:
@@ -214,7 +229,8 @@ def record_sweep(path: Path = SWEEP, reps: int = 3, tokens: int = 32) -> None:
     import os
 
     from appliance.facts.machine import find_binary
-    from appliance.measure.bench import Progress, load_suite
+    from appliance.measure.measure import Progress
+    from appliance.measure.suite import load_suite
     from appliance.ops.engine import version_line
 
     validated = validate(DEMO)

@@ -244,7 +244,8 @@ def _baseline_path(args: argparse.Namespace, result: Validated) -> Path | None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from appliance.measure.bench import BenchError, BenchUsage, main_bench
+    from appliance.measure.bench import main_bench
+    from appliance.measure.config import BenchError, BenchUsage
 
     result = _validated(args.spec)
     try:
@@ -266,7 +267,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from appliance.measure.bench import BenchError, BenchUsage
+    from appliance.measure.config import BenchError, BenchUsage
     from appliance.measure.tune import main_tune
 
     result = _validated(args.spec)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from appliance.spec.load import LoadedSpec
-from appliance.spec.model import QUANTIZED_CACHE, Model
+from appliance.spec.model import QUANTIZED_CACHE, Model, Speculative
 from appliance.spec.problems import Problem, error, warning
 
 FAST_N_MAX = 16
@@ -11,24 +11,8 @@ FAST_N_MAX = 16
 
 def spec_problems(loaded: LoadedSpec) -> list[Problem]:
     spec = loaded.spec
-    found: list[Problem] = []
     spec_type = spec.speculative
-    if spec_type.n_min > spec_type.n_max:
-        found.append(
-            error(
-                "speculative.n_min",
-                f"n_min {spec_type.n_min} is above n_max {spec_type.n_max}",
-                f"set n_min to at most {spec_type.n_max} (3 is typical)",
-            )
-        )
-    if spec_type.n_max > FAST_N_MAX:
-        found.append(
-            warning(
-                "speculative.n_max",
-                f"K = {spec_type.n_max} drafts more tokens than a draft usually gets accepted",
-                "4-6 suits chat, 6-8 long output; measure with `llm-appliance tune`",
-            )
-        )
+    found = draft_length_problems(spec_type)
     if spec.models.draft is not None and not spec_type.type.startswith("draft-"):
         found.append(
             error(
@@ -81,6 +65,29 @@ def spec_problems(loaded: LoadedSpec) -> list[Problem]:
     for role, model in (("target", spec.models.target), ("draft", spec.models.draft)):
         if model is not None:
             found += _cache_problems(f"models.{role}", model, spec.server.flash_attn)
+    return found
+
+
+def draft_length_problems(speculative: Speculative) -> list[Problem]:
+    """n_min above n_max (an error), a longer draft than usually gets accepted (a warning); `tune` keeps its
+    candidates to values without errors here."""
+    found = []
+    if speculative.n_min > speculative.n_max:
+        found.append(
+            error(
+                "speculative.n_min",
+                f"n_min {speculative.n_min} is above n_max {speculative.n_max}",
+                f"set n_min to at most {speculative.n_max} (3 is typical)",
+            )
+        )
+    if speculative.n_max > FAST_N_MAX:
+        found.append(
+            warning(
+                "speculative.n_max",
+                f"K = {speculative.n_max} drafts more tokens than a draft usually gets accepted",
+                "4-6 suits chat, 6-8 long output; measure with `llm-appliance tune`",
+            )
+        )
     return found
 
 

@@ -83,10 +83,14 @@ def stream(argv: Sequence[str], on_line: Callable[[str], None], *, env: Mapping[
         raise CommandFailed(argv, process.returncode, "".join(tail))
 
 
-def spawn(argv: Sequence[str], *, stdout: int | IO[Any] | None = None, **options: Any) -> subprocess.Popen[str]:
-    """Start a long-running program (llama-server) and return its handle; the caller owns its lifetime."""
+def spawn(
+    argv: Sequence[str], *, stdout: int | IO[Any] | None = None, quiet: bool = False, **options: Any
+) -> subprocess.Popen[str]:
+    """Start a long-running program (llama-server) and return its handle; the caller owns its lifetime.
+    `quiet`: not logged (bench's servers, while its progress bar holds the terminal)."""
     argv = [str(a) for a in argv]
-    log.info("+ %s", shlex.join(argv))
+    if not quiet:
+        log.info("+ %s", shlex.join(argv))
     return subprocess.Popen(argv, stdout=stdout, text=True, **options)
 
 
