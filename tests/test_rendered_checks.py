@@ -155,13 +155,15 @@ def test_gpu_example_opens_its_gpu_only(example: Callable[..., Path]) -> None:
     unit = _server_unit(example, "appliance.toml")
     assert unit["PrivateDevices"] == ["no"]
     assert unit["DevicePolicy"] == ["closed"]
-    assert unit["DeviceAllow"] == [
-        "/dev/nvidia0 rw",
-        "/dev/nvidiactl rw",
-        "/dev/nvidia-uvm rw",
-        "/dev/nvidia-uvm-tools rw",
-    ]
+    assert unit["DeviceAllow"] == ["/dev/nvidia0 rw", "/dev/nvidiactl rw", "/dev/nvidia-uvm rw"]
     assert "MemoryDenyWriteExecute" not in unit  # CUDA JIT needs W+X pages
+
+
+def test_the_gpu_health_unit_opens_what_nvml_opens_read_write(example: Callable[..., Path]) -> None:
+    files = _render(example("dual-gpu.toml"), "dual-gpu.toml")
+    unit = _service_settings(files[f"etc/systemd/system/{paths.HEALTH_UNIT}"])
+    # NVML opens the control node and every GPU O_RDWR; read-only access makes each query fail.
+    assert unit["DeviceAllow"] == ["/dev/nvidiactl rw", "/dev/nvidia0 rw", "/dev/nvidia1 rw"]
 
 
 def test_dual_gpu_example_opens_both_gpus(example: Callable[..., Path]) -> None:

@@ -261,6 +261,25 @@ def test_a_health_triggered_restart_is_seen_through_systemd(machine: Machine) ->
     )
 
 
+def test_the_service_user_may_restart_the_server_and_do_nothing_else(machine: Machine) -> None:
+    as_service_user = "runuser -u llm-appliance -- systemctl --no-ask-password"
+    machine.wait_for("curl -sf http://127.0.0.1:8080/health", 120, "a ready server")
+    before = server_pid(machine)
+    for verb in ("stop", "start", "try-restart", "kill"):
+        refused = machine.run(f"{as_service_user} {verb} llm-appliance-server.service", check=False)
+        assert refused.returncode != 0, f"{verb}: {refused.stdout} {refused.stderr}"
+    refused = machine.run(f"{as_service_user} restart llm-appliance-restart.timer", check=False)
+    assert refused.returncode != 0  # another unit
+    assert server_pid(machine) == before
+    machine.run("systemctl reset-failed llm-appliance-server.service", check=False)  # the suite's start count
+    machine.run(f"{as_service_user} restart --no-block llm-appliance-server.service")
+    machine.wait_for(
+        f"pgrep -u llm-appliance -x llama-server | grep -vx {before} && curl -sf http://127.0.0.1:8080/health",
+        120,
+        "the server restarted by its own user",
+    )
+
+
 def test_uninstall_leaves_no_unit_ruleset_or_process(machine: Machine) -> None:
     machine.run(f"cd {SRC} && ./install.sh --uninstall", timeout=300)
     assert "llm-appliance" not in machine.run("systemctl list-unit-files --no-pager").stdout

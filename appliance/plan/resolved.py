@@ -23,9 +23,10 @@ from appliance.system import paths
 SNAPSHOT_VERSION = 1
 SNAPSHOT = paths.RENDERED / "appliance.json"
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
-# Device nodes every CUDA process opens, besides /dev/nvidiaN of its GPUs; NVML needs only the control node.
+# Device nodes a CUDA process opens besides /dev/nvidiaN of its GPUs (nvidia-uvm-tools is for profilers);
+# NVML opens only the control node and the GPUs', read-write like CUDA.
 NVIDIA_CONTROL = "/dev/nvidiactl"
-GPU_COMMON_NODES = (NVIDIA_CONTROL, "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+GPU_COMMON_NODES = (NVIDIA_CONTROL, "/dev/nvidia-uvm")
 
 
 class SnapshotError(Exception):
@@ -65,7 +66,7 @@ class Appliance:
     on_gpu: bool  # the target model is offloaded to a GPU
     server_devices: tuple[str, ...]  # every GPU the server uses (target and draft)
     server_device_nodes: tuple[str, ...]  # what the server's sandbox opens for them (read-write)
-    health_device_nodes: tuple[str, ...]  # what NVML opens for the health daemon (read-only)
+    health_device_nodes: tuple[str, ...]  # what NVML opens for the health daemon (read-write)
     planned_vram_bytes: dict[str, int]
     min_free_bytes: int
     slot_ctx: int
