@@ -544,6 +544,22 @@ BAD = [
         "extra_args",
     ),
     Case(
+        "extra-api-key",
+        {'load_mode = "mmap"': 'load_mode = "mmap"\nextra_args = ["--api-key=hunter2"]'},
+        "server.extra_args[0]",
+        "--api-key puts the API key on the command line: in /proc/PID/cmdline, the journal and the snapshot",
+        "set server.api_key_file instead",
+        "extra_args",
+    ),
+    Case(
+        "extra-api-key-file",
+        {'load_mode = "mmap"': 'load_mode = "mmap"\nextra_args = ["--api-key-file", "/etc/keys"]'},
+        "server.extra_args[0]",
+        "--api-key-file in extra_args hides the key file from the health daemon and the scrape job",
+        "set server.api_key_file instead",
+        "extra_args",
+    ),
+    Case(
         "extra-planned-flag",
         {'load_mode = "mmap"': 'load_mode = "mmap"\nextra_args = ["--ctx-size", "4096"]'},
         "server.extra_args[0]",

@@ -350,7 +350,9 @@ def _extra_arg_problems(extra: list[str], planned: list[str], dialect: Dialect) 
         if not name.startswith("-") or _is_number(name):
             continue
         where = f"server.extra_args[{index}]"
-        if name in REMOVED and not dialect.accepts(name):
+        if name in SECRET_FLAGS:
+            found.append(error(where, SECRET_FLAGS[name].format(name=name), "set server.api_key_file instead"))
+        elif name in REMOVED and not dialect.accepts(name):
             found.append(
                 error(where, f"{name} was removed from llama-server", f"set {REMOVED[name]} in the spec instead")
             )
@@ -371,6 +373,13 @@ def _extra_arg_problems(extra: list[str], planned: list[str], dialect: Dialect) 
                 )
             )
     return found
+
+
+# Flags that carry a secret, or one the appliance must know of (its scrape job and probes use the key).
+SECRET_FLAGS = {
+    "--api-key": "{name} puts the API key on the command line: in /proc/PID/cmdline, the journal and the snapshot",
+    "--api-key-file": "{name} in extra_args hides the key file from the health daemon and the scrape job",
+}
 
 
 def _is_number(text: str) -> bool:

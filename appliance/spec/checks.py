@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from appliance.spec.load import LoadedSpec
-from appliance.spec.model import QUANTIZED_CACHE, Model, Speculative
+from appliance.spec.model import QUANTIZED_CACHE, Model, Spec, Speculative
 from appliance.spec.problems import Problem, error, warning
 
 FAST_N_MAX = 16
@@ -11,60 +11,70 @@ FAST_N_MAX = 16
 
 def spec_problems(loaded: LoadedSpec) -> list[Problem]:
     spec = loaded.spec
-    spec_type = spec.speculative
-    found = draft_length_problems(spec_type)
-    if spec.models.draft is not None and not spec_type.type.startswith("draft-"):
-        found.append(
-            error(
-                "speculative.type",
-                f"a draft model is configured but type is {spec_type.type!r}, which never uses it",
-                'set type = "draft-simple", or remove [models.draft]',
-            )
-        )
-    if spec.models.draft is None and spec_type.type.startswith("draft-"):
-        found.append(
-            warning(
-                "models.draft",
-                f"speculative.type is {spec_type.type!r} but no draft model is configured: speculation is off",
-                'add [models.draft] with a same-family GGUF, or set speculative.type = "none"',
-            )
-        )
-    if spec.server.port == spec.prometheus.port:
-        found.append(
-            error(
-                "prometheus.port",
-                f"the health exporter and llama-server would both listen on port {spec.server.port}",
-                f"choose another port, e.g. prometheus.port = {spec.server.port + 1400}",
-            )
-        )
-    if not spec.server.host_is_loopback:
-        if spec.server.api_key_file is None:
-            found.append(
-                error(
-                    "server.api_key_file",
-                    f"server.host {spec.server.host} is reachable from the network but no API key is set",
-                    'set api_key_file to a root-owned file with one key per line (mode 0640), or host = "127.0.0.1"',
-                )
-            )
-        if not loaded.key_lines.has("network.allow"):
-            found.append(
-                error(
-                    "network.allow",
-                    f"server.host {spec.server.host} listens beyond loopback but no client networks are allowed",
-                    'list the client networks, e.g. allow = ["127.0.0.0/8", "192.168.1.0/24"]',
-                )
-            )
-    if spec.server.api_key_file is not None and not spec.server.api_key_file.is_file():
-        found.append(
-            error(
-                "server.api_key_file",
-                f"{spec.server.api_key_file} does not exist",
-                f"create it: install -m 0640 /dev/null {spec.server.api_key_file} and write one key per line",
-            )
-        )
+    found = draft_length_problems(spec.speculative) + _draft_type_problems(spec)
+    found += _exposure_problems(loaded)
     for role, model in (("target", spec.models.target), ("draft", spec.models.draft)):
         if model is not None:
             found += _cache_problems(f"models.{role}", model, spec.server.flash_attn)
+    return found
+
+
+def _draft_type_problems(spec: Spec) -> list[Problem]:
+    kind = spec.speculative.type
+    if spec.models.draft is not None and not kind.startswith("draft-"):
+        return [
+            error(
+                "speculative.type",
+                f"a draft model is configured but type is {kind!r}, which never uses it",
+                'set type = "draft-simple", or remove [models.draft]',
+            )
+        ]
+    if spec.models.draft is None and kind.startswith("draft-"):
+        return [
+            warning(
+                "models.draft",
+                f"speculative.type is {kind!r} but no draft model is configured: speculation is off",
+                'add [models.draft] with a same-family GGUF, or set speculative.type = "none"',
+            )
+        ]
+    return []
+
+
+def _exposure_problems(loaded: LoadedSpec) -> list[Problem]:
+    """Ports, the API key and the client networks: who can reach the server."""
+    server, found = loaded.spec.server, []
+    if server.port == loaded.spec.prometheus.port:
+        found.append(
+            error(
+                "prometheus.port",
+                f"the health exporter and llama-server would both listen on port {server.port}",
+                f"choose another port, e.g. prometheus.port = {server.port + 1400}",
+            )
+        )
+    if not server.host_is_loopback and server.api_key_file is None:
+        found.append(
+            error(
+                "server.api_key_file",
+                f"server.host {server.host} is reachable from the network but no API key is set",
+                'set api_key_file to a root-owned file with one key per line (mode 0640), or host = "127.0.0.1"',
+            )
+        )
+    if not server.host_is_loopback and not loaded.key_lines.has("network.allow"):
+        found.append(
+            error(
+                "network.allow",
+                f"server.host {server.host} listens beyond loopback but no client networks are allowed",
+                'list the client networks, e.g. allow = ["127.0.0.0/8", "192.168.1.0/24"]',
+            )
+        )
+    if server.api_key_file is not None and not server.api_key_file.is_file():
+        found.append(
+            error(
+                "server.api_key_file",
+                f"{server.api_key_file} does not exist",
+                f"create it: install -m 0640 /dev/null {server.api_key_file} and write one key per line",
+            )
+        )
     return found
 
 
