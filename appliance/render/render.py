@@ -40,7 +40,7 @@ class View:
     allow_v6: str
     server_allow: tuple[str, ...]  # IPAddressAllow= of the server unit
     health_allow: tuple[str, ...]  # ...of the health unit: none when the exporter listens on loopback
-    egress_deny: bool
+    egress_deny: bool  # also: the server unit filters IP addresses (systemd's filter holds both directions)
     schedule: str
     randomized_delay_seconds: int
     watchdog_seconds: int
