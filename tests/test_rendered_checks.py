@@ -190,11 +190,11 @@ def lan_spec(example: Callable[..., Path], tmp_path: Path) -> Callable[..., Path
     keys = tmp_path / "api-keys"
     keys.write_text("a-key\n")
 
-    def make(**extra: str) -> Path:
+    def make(host: str = "0.0.0.0", **extra: str) -> Path:
         return example(
             "demo.toml",
             {
-                'host = "127.0.0.1"': f'host = "0.0.0.0"\napi_key_file = "{keys}"',
+                'host = "127.0.0.1"': f'host = "{host}"\napi_key_file = "{keys}"',
                 'allow = ["127.0.0.0/8", "::1/128"]': 'allow = ["192.168.7.0/24", "fd00::/8"]',
                 **extra,
             },
@@ -300,3 +300,24 @@ def test_egress_allow_leaves_the_server_unit_unfiltered(lan_spec: Callable[..., 
     # The health daemon opens no connection beyond loopback either way.
     assert health["IPAddressDeny"] == ["any"]
     _verify_units(_write(files, tmp_path / "root"), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("host", "own"), [("192.168.7.5", "192.168.7.5/32"), ("fd00::5", "fd00::5/128")], ids=["v4", "v6"]
+)
+def test_the_servers_own_address_passes_both_units(
+    lan_spec: Callable[..., Path], tmp_path: Path, host: str, own: str
+) -> None:
+    """A server on one of the machine's own addresses is probed there (the launcher's /health, the health
+    daemon) and local clients come from it: without it in IPAddressAllow the server never becomes READY."""
+    files = _render(lan_spec(host), "demo.toml")
+    server, health = _units(files)
+    assert server["IPAddressAllow"] == ["localhost", "192.168.7.0/24", "fd00::/8", own]
+    assert health["IPAddressAllow"] == ["localhost", own]
+    _verify_units(_write(files, tmp_path / "root"), tmp_path)
+
+
+def test_an_exporter_beyond_loopback_passes_its_clients_and_own_address(lan_spec: Callable[..., Path]) -> None:
+    spec = lan_spec("192.168.7.5", **{"port = 9478": 'host = "192.168.7.6"\nport = 9478'})
+    _, health = _units(_render(spec, "demo.toml"))
+    assert health["IPAddressAllow"] == ["localhost", "192.168.7.5/32", "192.168.7.0/24", "fd00::/8", "192.168.7.6/32"]
