@@ -330,6 +330,27 @@ BAD = [
         at='host = "example.com"',
     ),
     Case(
+        "cors-wildcard",
+        {'host = "127.0.0.1"': 'host = "127.0.0.1"\ncors_origins = ["*"]'},
+        "server.cors_origins",
+        "'*' is not a web origin; write the one origin of the web UI that calls the API",
+        at="cors_origins =",
+    ),
+    Case(
+        "cors-not-canonical",
+        {'host = "127.0.0.1"': 'host = "127.0.0.1"\ncors_origins = ["https://UI.example:443/"]'},
+        "server.cors_origins",
+        "'https://UI.example:443/' is never sent by a browser as an Origin; write it as 'https://ui.example'",
+        at="cors_origins =",
+    ),
+    Case(
+        "cors-two-origins",
+        {'host = "127.0.0.1"': 'host = "127.0.0.1"\ncors_origins = ["https://a.example", "https://b.example"]'},
+        "server.cors_origins",
+        "browsers refuse a list there",
+        at="cors_origins =",
+    ),
+    Case(
         "device-name",
         {'devices = ["CUDA0"]\ngpu_layers = "all"\n#': 'devices = ["cuda:0"]\ngpu_layers = "all"\n#'},
         "models.target.devices",

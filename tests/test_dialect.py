@@ -105,10 +105,19 @@ def test_older_help_file_is_the_older_dialect(older_dialect: Dialect) -> None:
         assert not older_dialect.accepts(flag), flag
 
 
+CORS_WARNING = "warning server.cors_origins: "
+
+
 def _demo_argv(example: Callable[..., Path], dialect: Dialect, **replace: str) -> tuple[list[str], list[str]]:
+    """The demo's argv and its problems; the one warning of a binary without --cors-origins is checked and left
+    out (test_older_dialect_cannot_deny_cross_origin_reads says what it is)."""
     spec = load_spec(example("demo.toml", replace or None)).spec
     argv, problems = build_argv(spec, dialect, BINARY, draft_in_use=True)
-    return list(argv), [f"{p.severity.value} {p.field}: {p.message}" for p in problems]
+    found = [f"{p.severity.value} {p.field}: {p.message}" for p in problems]
+    if not dialect.accepts("--cors-origins"):
+        assert sum(p.startswith(CORS_WARNING) for p in found) == 1, found
+        found = [p for p in found if not p.startswith(CORS_WARNING)]
+    return list(argv), found
 
 
 def _value(argv: list[str], flag: str) -> str:
@@ -146,6 +155,32 @@ def test_demo_argv_in_the_current_dialect(example: Callable[..., Path], real_dia
     assert "--offline" in argv
     for flag in ["--draft-max", "--draft-min", "--model-draft", "-md", "--mlock", "--no-mmap"]:
         assert flag not in argv, flag
+
+
+def test_current_dialect_grants_no_origin(example: Callable[..., Path], real_dialect: Dialect) -> None:
+    """An empty --cors-origins is sent as an empty Access-Control-Allow-Origin: no page is granted (test_cors.py)."""
+    argv, problems = _demo_argv(example, real_dialect)
+    assert problems == []
+    assert _value(argv, "--cors-origins") == ""
+    assert "--no-cors-credentials" in argv and "--cors-credentials" not in argv
+    widened, _ = _demo_argv(
+        example, real_dialect, **{"threads = 2": 'threads = 2\ncors_origins = ["https://ui.example"]'}
+    )
+    assert _value(widened, "--cors-origins") == "https://ui.example"
+
+
+def test_older_dialect_cannot_deny_cross_origin_reads(example: Callable[..., Path], older_dialect: Dialect) -> None:
+    spec = load_spec(example("demo.toml")).spec
+    argv, problems = build_argv(spec, older_dialect, BINARY, draft_in_use=True)
+    assert not any(arg.startswith("--cors") for arg in argv)
+    assert [(p.severity, p.field) for p in problems] == [(Severity.WARNING, "server.cors_origins")]
+    assert "default grants every origin" in problems[0].message
+    assert "engine install" in problems[0].fix
+    # A spec that names its UI's origin cannot have it there: every origin would be granted.
+    widened = load_spec(example("demo.toml", {"threads = 2": 'threads = 2\ncors_origins = ["https://ui.example"]'}))
+    _, problems = build_argv(widened.spec, older_dialect, BINARY, draft_in_use=True)
+    assert [(p.severity, p.field) for p in problems] == [(Severity.ERROR, "server.cors_origins")]
+    assert "--cors-origins" in problems[0].message
 
 
 @pytest.mark.parametrize(

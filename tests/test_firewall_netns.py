@@ -8,7 +8,8 @@ Topology (every namespace and link is created here and deleted at the end; nothi
 
 network.allow holds CLIENT_OK's networks and loopback only. In SRV, the API and exporter ports are served
 by a process running as the service user (as llama-server and the exporter are), and port 8000 (outside the
-ruleset's ports) by root. OUTSIDE runs an HTTP server the service user must not reach while egress is denied.
+ruleset's ports) by root, and a DNS resolver answers on 127.0.0.53:53 (UDP), where systemd-resolved listens.
+OUTSIDE runs an HTTP server the service user must not reach while egress is denied.
 """
 
 from __future__ import annotations
@@ -83,6 +84,41 @@ Server(("::", port), Handler).serve_forever()
 """
 
 
+RESOLVER = ("127.0.0.53", 53)
+# A stub DNS resolver: answers every query with one A record (192.0.2.1) and appends who asked to HITS.
+RESOLVER_SERVER = r"""
+import socket, struct, sys
+host, port, hits = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.bind((host, port))
+while True:
+    query, client = sock.recvfrom(512)
+    with open(hits, "a") as f:
+        f.write(f"{client[0]}\n")
+    question = query[12:]
+    header = query[:2] + struct.pack(">HHHHH", 0x8180, 1, 1, 0, 0)
+    answer = struct.pack(">HHHIH", 0xC00C, 1, 1, 60, 4) + socket.inet_aton("192.0.2.1")
+    sock.sendto(header + question + answer, client)
+"""
+# One query for example.com A, as a stub resolver sends it; prints what came back.
+RESOLVER_CLIENT = r"""
+import errno, socket, struct, sys
+host, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+query = struct.pack(">HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0) + b"\x07example\x03com\x00" + struct.pack(">HH", 1, 1)
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.settimeout(timeout)
+try:
+    sock.sendto(query, (host, port))
+    reply = sock.recv(512)
+except TimeoutError:
+    print("timeout")
+except OSError as exc:
+    print(f"failed {errno.errorcode.get(exc.errno, exc.errno)}")
+else:
+    print("answer " + socket.inet_ntoa(reply[-4:]) if reply[:2] == query[:2] else "garbled")
+"""
+
+
 def _tool(name: str) -> str:
     found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin")
     if found is None:
@@ -121,6 +157,16 @@ class Net:
     @property
     def outside_hits(self) -> Path:
         return self.tmp / "outside-hits"
+
+    @property
+    def resolver_hits(self) -> Path:
+        return self.tmp / "resolver-hits"
+
+    def resolve(self, as_user: bool = False) -> str:
+        """One DNS query to the resolver on 127.0.0.53 from SRV: 'answer 192.0.2.1', 'timeout' or 'failed ERRNO'."""
+        user = _as_service_user() if as_user else []
+        argv = [*user, sys.executable, "-c", RESOLVER_CLIENT, *map(str, RESOLVER), str(TIMEOUT_S)]
+        return _check([_tool("ip"), "netns", "exec", self.srv, *argv]).strip()
 
     def exec(self, ns: str, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
         return _run([_tool("ip"), "netns", "exec", ns, *argv], timeout)
@@ -220,6 +266,19 @@ def net(tmp_path_factory: pytest.TempPathFactory, service_user: str) -> Iterator
         net.serve(net.srv, "exporter", EXPORTER_PORT, as_user=True)
         net.serve(net.srv, "open", OPEN_PORT)
         net.serve(net.outside, "outside", OUTSIDE_PORT, hits=str(net.outside_hits))
+        resolver = [sys.executable, "-c", RESOLVER_SERVER, *map(str, RESOLVER), str(net.resolver_hits)]
+        net.processes.append(
+            subprocess.Popen(
+                [_tool("ip"), "netns", "exec", net.srv, *resolver],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+        )
+        deadline = time.monotonic() + 10
+        while net.resolve() != "answer 192.0.2.1":  # before any ruleset: the resolver answers
+            assert time.monotonic() < deadline, "the stub resolver on 127.0.0.53 does not answer"
+            time.sleep(0.05)
         yield net
     finally:
         for process in net.processes:
@@ -270,6 +329,7 @@ def srv(net: Net, rulesets: dict[str, str]) -> Net:
     net.load(ADMIN_TABLE, "admin.nft")
     net.load(rulesets["deny"], "llm-appliance.nft")
     net.outside_hits.unlink(missing_ok=True)
+    net.resolver_hits.unlink(missing_ok=True)
     return net
 
 
@@ -336,14 +396,38 @@ def test_service_user_cannot_reach_outside_while_egress_denied(srv: Net, outside
 
 @pytest.mark.parametrize("ruleset", ["deny", "deny-no-loopback"])
 @pytest.mark.parametrize("loopback", ["127.0.0.1", "::1", SRV_BAD_V4], ids=["v4", "v6", "own-address"])
-def test_service_user_reaches_loopback(srv: Net, rulesets: dict[str, str], ruleset: str, loopback: str) -> None:
+def test_service_user_reaches_the_appliance_ports_on_loopback(
+    srv: Net, rulesets: dict[str, str], ruleset: str, loopback: str
+) -> None:
     """The health daemon (the service user) talks to the server over loopback, egress denied or not,
-    whether or not network.allow names loopback (SRV's own non-loopback addresses are routed over lo too)."""
+    whether or not network.allow names loopback (SRV's own non-loopback addresses are routed over lo too);
+    any other port there is as closed to it as the outside."""
     srv.load(rulesets[ruleset], f"{ruleset}.nft")
     before = srv.counter(EGRESS_DROP)
-    for name, port in (("api", API_PORT), ("exporter", EXPORTER_PORT), ("open", OPEN_PORT)):
+    for name, port in (("api", API_PORT), ("exporter", EXPORTER_PORT)):
         _answered_by(srv.curl(srv.srv, loopback, port, as_user=True), name)
     assert srv.counter(EGRESS_DROP) == before
+    _dropped(srv.curl(srv.srv, loopback, OPEN_PORT, as_user=True))
+    assert srv.counter(EGRESS_DROP) > before
+    _answered_by(srv.curl(srv.srv, loopback, OPEN_PORT), "open")  # root: the rule is what stops the user
+
+
+def test_service_user_cannot_query_a_local_resolver(srv: Net) -> None:
+    """DNS is a way out too: a resolver on loopback forwards whatever names it is asked (exfiltration)."""
+    before = srv.counter(EGRESS_DROP)
+    # A datagram the output hook drops fails at sendto (EPERM): it never left the socket.
+    assert srv.resolve(as_user=True) == "failed EPERM"
+    assert srv.counter(EGRESS_DROP) > before
+    assert not srv.resolver_hits.exists(), "the resolver saw a query from the service user"
+    # The resolver answers root, and the service user still reaches the server on loopback.
+    assert srv.resolve() == "answer 192.0.2.1"
+    assert srv.resolver_hits.read_text() == "127.0.0.1\n"
+    _answered_by(srv.curl(srv.srv, "127.0.0.1", API_PORT, as_user=True), "api")
+
+
+def test_egress_allow_lets_the_service_user_resolve(srv: Net, rulesets: dict[str, str]) -> None:
+    srv.load(rulesets["allow"], "llm-appliance-allow.nft")
+    assert srv.resolve(as_user=True) == "answer 192.0.2.1"
 
 
 def test_egress_allow_lets_the_service_user_out(srv: Net, rulesets: dict[str, str]) -> None:

@@ -77,7 +77,7 @@ def _run(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProces
 # --- every example -----------------------------------------------------------------------------------------
 
 
-def test_units_pass_systemd_analyze_verify(rendered_root: Path, tmp_path: Path) -> None:
+def _verify_units(rendered_root: Path, tmp_path: Path) -> None:
     if not paths.CLI.exists():
         pytest.fail(f"{paths.CLI} is missing: the units' ExecStart points at it (.ci/run installs it)")
     units = tmp_path / "units"
@@ -90,6 +90,10 @@ def test_units_pass_systemd_analyze_verify(rendered_root: Path, tmp_path: Path) 
     complaints = [line for line in output.splitlines() if any(unit in line for unit in UNITS)]
     assert result.returncode == 0, output
     assert complaints == [], output
+
+
+def test_units_pass_systemd_analyze_verify(rendered_root: Path, tmp_path: Path) -> None:
+    _verify_units(rendered_root, tmp_path)
 
 
 def test_ruleset_passes_nft_check(rendered_root: Path, service_user: str) -> None:
@@ -188,11 +192,11 @@ def lan_spec(example: Callable[..., Path], tmp_path: Path) -> Callable[..., Path
     keys = tmp_path / "api-keys"
     keys.write_text("a-key\n")
 
-    def make(**extra: str) -> Path:
+    def make(host: str = "0.0.0.0", **extra: str) -> Path:
         return example(
             "demo.toml",
             {
-                'host = "127.0.0.1"': f'host = "0.0.0.0"\napi_key_file = "{keys}"',
+                'host = "127.0.0.1"': f'host = "{host}"\napi_key_file = "{keys}"',
                 'allow = ["127.0.0.0/8", "::1/128"]': 'allow = ["192.168.7.0/24", "fd00::/8"]',
                 **extra,
             },
@@ -267,3 +271,55 @@ def test_lan_spec_scrape_uses_the_api_key(lan_spec: Callable[..., Path], tmp_pat
     assert '"127.0.0.1:8080"' in scrape
     result = _run([_tool("promtool"), "check", "config", str(_prometheus_config(root))])
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- the units' IP filters follow network.allow, network.egress and the server's own address ---------------
+
+
+def _units(files: dict[str, str]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    return (
+        _service_settings(files[f"etc/systemd/system/{paths.SERVER_UNIT}"]),
+        _service_settings(files[f"etc/systemd/system/{paths.HEALTH_UNIT}"]),
+    )
+
+
+def test_egress_deny_filters_the_server_unit(lan_spec: Callable[..., Path]) -> None:
+    server, health = _units(_render(lan_spec(), "demo.toml"))
+    assert server["IPAddressDeny"] == ["any"]
+    assert server["IPAddressAllow"] == ["localhost", "192.168.7.0/24", "fd00::/8"]
+    # 0.0.0.0 is probed over loopback; the exporter listens on loopback: the health unit needs nothing more.
+    assert health["IPAddressDeny"] == ["any"]
+    assert health["IPAddressAllow"] == ["localhost"]
+
+
+def test_egress_allow_leaves_the_server_unit_unfiltered(lan_spec: Callable[..., Path], tmp_path: Path) -> None:
+    """systemd's IPAddressDeny= holds outgoing connections too: with egress = "allow" the server unit has none,
+    and the nftables input chain alone keeps out the clients network.allow does not name."""
+    files = _render(lan_spec(**{'egress = "deny"': 'egress = "allow"'}), "demo.toml")
+    server, health = _units(files)
+    assert "IPAddressDeny" not in server and "IPAddressAllow" not in server
+    assert "ip saddr @api_clients_v4 accept" in files[NFT] and "counter drop" in files[NFT]
+    # The health daemon opens no connection beyond loopback either way.
+    assert health["IPAddressDeny"] == ["any"]
+    _verify_units(_write(files, tmp_path / "root"), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("host", "own"), [("192.168.7.5", "192.168.7.5/32"), ("fd00::5", "fd00::5/128")], ids=["v4", "v6"]
+)
+def test_the_servers_own_address_passes_both_units(
+    lan_spec: Callable[..., Path], tmp_path: Path, host: str, own: str
+) -> None:
+    """A server on one of the machine's own addresses is probed there (the launcher's /health, the health
+    daemon) and local clients come from it: without it in IPAddressAllow the server never becomes READY."""
+    files = _render(lan_spec(host), "demo.toml")
+    server, health = _units(files)
+    assert server["IPAddressAllow"] == ["localhost", "192.168.7.0/24", "fd00::/8", own]
+    assert health["IPAddressAllow"] == ["localhost", own]
+    _verify_units(_write(files, tmp_path / "root"), tmp_path)
+
+
+def test_an_exporter_beyond_loopback_passes_its_clients_and_own_address(lan_spec: Callable[..., Path]) -> None:
+    spec = lan_spec("192.168.7.5", **{"port = 9478": 'host = "192.168.7.6"\nport = 9478'})
+    _, health = _units(_render(spec, "demo.toml"))
+    assert health["IPAddressAllow"] == ["localhost", "192.168.7.5/32", "192.168.7.0/24", "fd00::/8", "192.168.7.6/32"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -67,9 +68,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _pairs(argv: Sequence[str]) -> list[str]:
-    """Group each flag with its value for a readable listing."""
+    """Group each flag with its value for a readable listing, quoted as a shell would need (an empty value shows)."""
     grouped: list[str] = []
-    for arg in argv:
+    for arg in map(shlex.quote, argv):
         if grouped and not arg.startswith("-") and grouped[-1].startswith("-") and " " not in grouped[-1]:
             grouped[-1] += f" {arg}"
         else:

@@ -22,6 +22,8 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "api_key_file": ("--api-key-file",),
     "metrics": ("--metrics",),
     "slots": ("--slots",),
+    "cors_origins": ("--cors-origins",),
+    "no_cors_credentials": ("--no-cors-credentials",),
     "ctx_size": ("--ctx-size", "-c"),
     "parallel": ("--parallel", "-np"),
     "threads": ("--threads", "-t"),

@@ -283,8 +283,28 @@ def _serving_flags(argv: _Argv, spec: Spec) -> None:
         flag("api_key_file", "server.api_key_file", str(server.api_key_file))
     flag("metrics", "server")
     flag("slots", "server", required=False)
+    _cors_flags(argv, spec)
     flag("offline", "server", required=False)  # no model fetching at run time
     flag("fit", "memory", "off", required=False)  # the memory plan is ours, not an automatic refit
+
+
+def _cors_flags(argv: _Argv, spec: Spec) -> None:
+    """Which web pages a browser lets read the API: llama-server's default reflects every Origin, with
+    credentials. It sends --cors-origins verbatim as Access-Control-Allow-Origin, so an empty value grants no
+    one. Credentials stay off: the API key is a header a page sets itself, and no cookie is involved."""
+    origins = spec.server.cors_origins
+    if argv.dialect.spelling("cors_origins") is None and not origins:
+        argv.problems.append(
+            warning(
+                "server.cors_origins",
+                f"{argv.dialect.source} has no --cors-origins, so it cannot be told which web pages may read the "
+                "API: llama-server's default grants every origin, so any page open in a browser on a client can",
+                "install the llama.cpp this release builds (llm-appliance engine install), or set api_key_file",
+            )
+        )
+        return
+    argv.flag("cors_origins", "server.cors_origins", ",".join(origins))
+    argv.flag("no_cors_credentials", "server.cors_origins", required=False)
 
 
 def _model_flags(argv: _Argv, spec: Spec) -> None:

@@ -9,6 +9,7 @@ is always what was applied and checked, whatever the spec file on disk says sinc
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,16 @@ class Endpoint:
     def loopback_only(self) -> bool:
         return self.host in LOOPBACK_HOSTS
 
+    @property
+    def own_address(self) -> tuple[str, ...]:
+        """The one non-loopback address of this machine it listens on, as a network (none for loopback or a
+        wildcard): its probes and local clients dial it there, and come from it, past the units' IP filters."""
+        try:
+            address = ipaddress.ip_address(self.host)
+        except ValueError:  # localhost (prometheus.host is not checked to be an address)
+            return ()
+        return () if address.is_loopback or address.is_unspecified else (str(ipaddress.ip_network(address)),)
+
 
 @dataclass(frozen=True)
 class Appliance:
@@ -76,6 +87,22 @@ class Appliance:
     @property
     def health_url(self) -> str:
         return f"{self.server.url}/health"
+
+    @property
+    def server_ip_allow(self) -> tuple[str, ...]:
+        """The server unit's IPAddressAllow= besides localhost: network.allow (IPv4 first) and the server's own
+        address (the launcher's /health probe goes there). Only with egress = "deny": systemd's filter holds
+        both directions, so with "allow" the unit has none and the nftables input chain filters the clients."""
+        allow = sorted(self.spec.network.allow, key=lambda cidr: ":" in cidr)
+        return _unique((*allow, *self.server.own_address))
+
+    @property
+    def health_ip_allow(self) -> tuple[str, ...]:
+        """The health unit's IPAddressAllow= besides localhost: the server's own address (the daemon probes it
+        there) and, when the exporter listens beyond loopback, network.allow and the exporter's own address."""
+        allow = sorted(self.spec.network.allow, key=lambda cidr: ":" in cidr)
+        exporter = () if self.exporter.loopback_only else (*allow, *self.exporter.own_address)
+        return _unique((*self.server.own_address, *exporter))
 
     # -- the snapshot --
 
@@ -169,6 +196,10 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
         state_file=state_dir / "health-state.json",
         baseline_file=spec.health.baseline_file,
     )
+
+
+def _unique(items: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(items))
 
 
 def changed_fields(applied: Appliance, proposed: Appliance) -> list[str]:

@@ -38,9 +38,9 @@ class View:
     mlock: bool
     allow_v4: str  # nftables set elements, comma-separated
     allow_v6: str
-    server_allow: tuple[str, ...]  # IPAddressAllow= of the server unit
-    health_allow: tuple[str, ...]  # ...of the health unit: none when the exporter listens on loopback
-    egress_deny: bool
+    server_allow: tuple[str, ...]  # IPAddressAllow= of the server unit, besides localhost
+    health_allow: tuple[str, ...]  # ...of the health unit
+    egress_deny: bool  # also: the server unit filters IP addresses (systemd's filter holds both directions)
     schedule: str
     randomized_delay_seconds: int
     watchdog_seconds: int
@@ -87,8 +87,8 @@ def view(appliance: Appliance) -> View:
         mlock="mlock" in spec.server.load_mode,
         allow_v4=", ".join(allow_v4),
         allow_v6=", ".join(allow_v6),
-        server_allow=allow_v4 + allow_v6,
-        health_allow=() if appliance.exporter.loopback_only else allow_v4 + allow_v6,
+        server_allow=appliance.server_ip_allow,
+        health_allow=appliance.health_ip_allow,
         egress_deny=spec.network.egress == "deny",
         schedule=spec.restart.schedule,
         randomized_delay_seconds=spec.restart.randomized_delay_seconds,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
@@ -58,6 +59,8 @@ class Server(Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=1, le=65535)] = 8080
     api_key_file: FilePath | None = None
+    # Web pages (origins) a browser may let read the API; none by default (see _origins).
+    cors_origins: list[str] = []
     parallel: Annotated[int, Field(ge=1, le=256)] = 1
     threads: Annotated[int, Field(ge=0, le=1024)] = 0
     ctx_size: Annotated[int, Field(ge=256, le=4_194_304)] = 8192
@@ -81,6 +84,29 @@ class Server(Strict):
             ) from None
         return value
 
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        # llama-server sends --cors-origins verbatim as Access-Control-Allow-Origin (an empty value grants
+        # no one), and a browser grants only the origin it serialises byte for byte: one, in canonical form.
+        for origin in value:
+            canonical = canonical_origin(origin)
+            if canonical is None:
+                raise ValueError(
+                    f"{origin!r} is not a web origin; write the one origin of the web UI that calls the API, "
+                    "scheme://host[:port], e.g. https://ui.example:8443 (no wildcard: any web page in a browser "
+                    "could then read the API)"
+                )
+            if canonical != origin:
+                raise ValueError(f"{origin!r} is never sent by a browser as an Origin; write it as {canonical!r}")
+        if len(value) > 1:
+            raise ValueError(
+                "llama-server sends its CORS origins verbatim as one Access-Control-Allow-Origin header, and "
+                "browsers refuse a list there (it would grant no one); list one origin, or serve the UIs from one "
+                "origin through a reverse proxy"
+            )
+        return value
+
     @property
     def slot_ctx(self) -> int:
         """llama-server divides ctx_size evenly among the slots."""
@@ -89,6 +115,29 @@ class Server(Strict):
     @property
     def host_is_loopback(self) -> bool:
         return self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
+
+
+def canonical_origin(text: str) -> str | None:
+    """`text` as a browser serialises an origin (lower case, no default port, no path), or None when it is none."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        port = parts.port
+    except ValueError:
+        return None
+    scheme, host = parts.scheme.lower(), parts.hostname
+    if scheme not in ("http", "https") or not host or parts.username is not None or parts.password is not None:
+        return None
+    if parts.path not in ("", "/") or parts.query or parts.fragment or text.endswith(("?", "#")):
+        return None
+    if not re.fullmatch(r"[a-z0-9.-]+|[0-9a-f:.]+", host) or host.startswith(".") or ".." in host:
+        return None
+    if ":" in host:
+        try:
+            host = f"[{ipaddress.IPv6Address(host).compressed}]"
+        except ValueError:
+            return None
+    default = {"http": 80, "https": 443}[scheme]
+    return f"{scheme}://{host}" + (f":{port}" if port is not None and port != default else "")
 
 
 class Model(Strict):
