@@ -403,6 +403,22 @@ def test_write_stops_at_the_first_failure(tmp_path: Path, monkeypatch: pytest.Mo
     assert len(calls) == 2
 
 
+def test_a_system_command_that_fails_exits_3_with_what_it_said(
+    cli: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = tmp_path / "bin" / "dpkg-query"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'dpkg-query: error: database is locked' >&2\nexit 2\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    code, out, err = cli("release-driver")
+    assert (code, out) == (EXIT_APPLY, "")
+    assert err.endswith(
+        "release-driver: `dpkg-query -W -f '${Package} ${Status}\n'` exited 2: dpkg-query: error: database is locked\n"
+    )
+    assert "Traceback" not in err
+
+
 # --- the installed command, as a real process ---
 
 

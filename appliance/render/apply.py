@@ -9,12 +9,12 @@ from __future__ import annotations
 import difflib
 import os
 import shutil
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.system import paths
+from appliance.system.run import CommandFailed, run
 
 FILE_MODE = 0o644
 
@@ -102,9 +102,10 @@ def reload_system(found: list[Change]) -> list[str]:
 
 
 def _run(argv: list[str]) -> None:
-    result = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise ApplyError(f"`{' '.join(argv)}` exited {result.returncode}: {(result.stderr or result.stdout).strip()}")
+    try:
+        run(argv)
+    except CommandFailed as exc:
+        raise ApplyError(str(exc)) from None
 
 
 def installed_spec_path(spec_path: Path) -> Path:
