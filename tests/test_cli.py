@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 import appliance.facts.machine
-import appliance.render.apply
+import appliance.system.files
 from appliance.cli.main import EXIT_APPLY, EXIT_INVALID, EXIT_OK, EXIT_USAGE, main, spec_schema
 from appliance.facts.gpu import NvmlUnavailable
 from appliance.facts.machine import find_binary
 from appliance.ops.models import SMOLLM2
-from appliance.render.apply import ApplyError, Change, write, write_atomically
+from appliance.render.apply import ApplyError, Change, write
 from appliance.spec.load import load_spec
 
 CLI = Path(sys.executable).parent / "llm-appliance"
@@ -325,7 +325,7 @@ def test_apply_whose_write_fails_exits_3_and_leaves_no_temporary(
     def full_disk(src: object, dst: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(appliance.render.apply.os, "replace", full_disk)
+    monkeypatch.setattr(appliance.system.files.os, "replace", full_disk)
     code, out, err = cli("apply", demo, "--root", root)
     assert code == EXIT_APPLY
     # The changes were listed before the write failed on the first of them.
@@ -340,49 +340,7 @@ def test_apply_whose_write_fails_exits_3_and_leaves_no_temporary(
     assert files_under(root) == DEMO_FILES  # no temporary file left behind
 
 
-# --- the atomic writer itself ---
-
-
-@pytest.mark.parametrize("failing", ["replace", "fsync", "chmod"])
-def test_write_atomically_keeps_the_old_file_when_the_write_fails(
-    failing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    target = tmp_path / "etc" / "unit.service"
-    write_atomically(target, "old\n")
-
-    def broken(*args: object, **kwargs: object) -> None:
-        raise OSError(5, "Input/output error")
-
-    monkeypatch.setattr(appliance.render.apply.os, failing, broken)
-    with pytest.raises(OSError, match="Input/output error"):
-        write_atomically(target, "new\n")
-    assert target.read_text() == "old\n"
-    assert sorted(p.name for p in target.parent.iterdir()) == ["unit.service"]
-
-
-def test_write_atomically_leaves_no_temporary_when_interrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    target = tmp_path / "unit.service"
-    target.write_text("old\n")
-
-    def interrupted(*args: object) -> None:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(appliance.render.apply.os, "fsync", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        write_atomically(target, "new\n")
-    assert target.read_text() == "old\n"
-    assert [p.name for p in tmp_path.iterdir()] == ["unit.service"]
-
-
-def test_write_atomically_replaces_and_sets_the_mode(tmp_path: Path) -> None:
-    target = tmp_path / "a" / "b" / "file"
-    write_atomically(target, "one\n")
-    inode = target.stat().st_ino
-    write_atomically(target, "two\n", mode=0o600)
-    assert target.read_text() == "two\n"
-    assert stat.S_IMODE(target.stat().st_mode) == 0o600
-    assert target.stat().st_ino != inode  # renamed over, not rewritten in place
-    assert [p.name for p in target.parent.iterdir()] == ["file"]
+# --- apply's writes, through the one writer (tests/test_files.py tests the writer itself) ---
 
 
 def test_write_stops_at_the_first_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -395,7 +353,7 @@ def test_write_stops_at_the_first_failure(tmp_path: Path, monkeypatch: pytest.Mo
             raise OSError(28, "No space left on device")
         real_replace(src, dst)
 
-    monkeypatch.setattr(appliance.render.apply.os, "replace", second_fails)
+    monkeypatch.setattr(appliance.system.files.os, "replace", second_fails)
     found = [Change("a", None, "A\n"), Change("b", None, "B\n"), Change("c", None, "C\n")]
     with pytest.raises(ApplyError, match=r"cannot write .*/b: No space left on device; nothing after it was written"):
         write(found, tmp_path)

