@@ -112,8 +112,6 @@ class NoNvml:
     def gpus(self) -> list[object]:
         raise NvmlUnavailable("NVML: NVML Shared Library Not Found")
 
-    driver_version = cuda_version = gpus
-
 
 def test_gpu_spec_without_memory_is_refused_without_nvml(
     cli: Run, example: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
