@@ -97,13 +97,11 @@ def gpu_facts(*totals_gib: float) -> MachineFacts:
         GpuMemory(i, "NVIDIA GeForce RTX 4090", int(t * GIB), 0, int(t * GIB)) for i, t in enumerate(totals_gib)
     )
     return MachineFacts(
-        gpus,
-        "550.54.14" if gpus else None,
-        "12.4" if gpus else None,
-        None if gpus else "NVML: NVML Shared Library Not Found",
-        None,
-        builtin_dialect(),
-        None,
+        gpus=gpus,
+        nvml_error=None if gpus else "NVML: NVML Shared Library Not Found",
+        binary=None,
+        dialect=builtin_dialect(),
+        dialect_note=None,
     )
 
 

@@ -16,6 +16,7 @@ import pytest
 from conftest import EXAMPLE_FACTS, resolved
 
 import appliance.cli.main as cli
+from appliance.cli.commands import EXIT_APPLY
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
 from appliance.measure.chart import draw_bench_chart
@@ -287,5 +288,5 @@ def test_bench_drives_the_running_appliance_and_starts_only_the_baseline(
 @pytest.mark.engine
 def test_bench_says_so_when_no_appliance_runs(example: Callable[..., Path], capsys: pytest.CaptureFixture[str]) -> None:
     spec = example("demo.toml", {"port = 8080": f"port = {free_port()}"})
-    assert cli.main(["bench", str(spec), "--no-chart", "--no-baseline"]) == cli.EXIT_APPLY
+    assert cli.main(["bench", str(spec), "--no-chart", "--no-baseline"]) == EXIT_APPLY
     assert "use --standalone" in capsys.readouterr().err

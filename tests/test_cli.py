@@ -19,13 +19,14 @@ from pathlib import Path
 import pytest
 
 import appliance.facts.machine
-import appliance.render.apply
-from appliance.cli.main import EXIT_APPLY, EXIT_DIFFERS, EXIT_INVALID, EXIT_OK, EXIT_USAGE, main, spec_schema
+import appliance.system.files
+from appliance.cli.commands import EXIT_APPLY, EXIT_DIFFERS, EXIT_INVALID, EXIT_OK, EXIT_USAGE, spec_schema
+from appliance.cli.main import main
 from appliance.facts.gpu import NvmlUnavailable
 from appliance.facts.machine import find_binary
 from appliance.ops.models import SMOLLM2
 from appliance.plan.resolved import SNAPSHOT
-from appliance.render.apply import ApplyError, Change, write, write_atomically
+from appliance.render.apply import ApplyError, Change, write
 from appliance.spec.load import load_spec
 
 CLI = Path(sys.executable).parent / "llm-appliance"
@@ -111,8 +112,6 @@ class NoNvml:
 
     def gpus(self) -> list[object]:
         raise NvmlUnavailable("NVML: NVML Shared Library Not Found")
-
-    driver_version = cuda_version = gpus
 
 
 def test_gpu_spec_without_memory_is_refused_without_nvml(
@@ -354,7 +353,7 @@ def test_apply_whose_write_fails_exits_3_and_leaves_no_temporary(
     def full_disk(src: object, dst: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(appliance.render.apply.os, "replace", full_disk)
+    monkeypatch.setattr(appliance.system.files.os, "replace", full_disk)
     code, out, err = cli("apply", demo, "--root", root)
     assert code == EXIT_APPLY
     # The changes were listed before the write failed on the first of them.
@@ -369,49 +368,7 @@ def test_apply_whose_write_fails_exits_3_and_leaves_no_temporary(
     assert files_under(root) == DEMO_FILES  # no temporary file left behind
 
 
-# --- the atomic writer itself ---
-
-
-@pytest.mark.parametrize("failing", ["replace", "fsync", "chmod"])
-def test_write_atomically_keeps_the_old_file_when_the_write_fails(
-    failing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    target = tmp_path / "etc" / "unit.service"
-    write_atomically(target, "old\n")
-
-    def broken(*args: object, **kwargs: object) -> None:
-        raise OSError(5, "Input/output error")
-
-    monkeypatch.setattr(appliance.render.apply.os, failing, broken)
-    with pytest.raises(OSError, match="Input/output error"):
-        write_atomically(target, "new\n")
-    assert target.read_text() == "old\n"
-    assert sorted(p.name for p in target.parent.iterdir()) == ["unit.service"]
-
-
-def test_write_atomically_leaves_no_temporary_when_interrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    target = tmp_path / "unit.service"
-    target.write_text("old\n")
-
-    def interrupted(*args: object) -> None:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(appliance.render.apply.os, "fsync", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        write_atomically(target, "new\n")
-    assert target.read_text() == "old\n"
-    assert [p.name for p in tmp_path.iterdir()] == ["unit.service"]
-
-
-def test_write_atomically_replaces_and_sets_the_mode(tmp_path: Path) -> None:
-    target = tmp_path / "a" / "b" / "file"
-    write_atomically(target, "one\n")
-    inode = target.stat().st_ino
-    write_atomically(target, "two\n", mode=0o600)
-    assert target.read_text() == "two\n"
-    assert stat.S_IMODE(target.stat().st_mode) == 0o600
-    assert target.stat().st_ino != inode  # renamed over, not rewritten in place
-    assert [p.name for p in target.parent.iterdir()] == ["file"]
+# --- apply's writes, through the one writer (tests/test_files.py tests the writer itself) ---
 
 
 def test_write_stops_at_the_first_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -424,12 +381,28 @@ def test_write_stops_at_the_first_failure(tmp_path: Path, monkeypatch: pytest.Mo
             raise OSError(28, "No space left on device")
         real_replace(src, dst)
 
-    monkeypatch.setattr(appliance.render.apply.os, "replace", second_fails)
+    monkeypatch.setattr(appliance.system.files.os, "replace", second_fails)
     found = [Change("a", None, "A\n"), Change("b", None, "B\n"), Change("c", None, "C\n")]
     with pytest.raises(ApplyError, match=r"cannot write .*/b: No space left on device; nothing after it was written"):
         write(found, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
     assert len(calls) == 2
+
+
+def test_a_system_command_that_fails_exits_3_with_what_it_said(
+    cli: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = tmp_path / "bin" / "dpkg-query"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'dpkg-query: error: database is locked' >&2\nexit 2\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    code, out, err = cli("release-driver")
+    assert (code, out) == (EXIT_APPLY, "")
+    assert err.endswith(
+        "release-driver: `dpkg-query -W -f '${Package} ${Status}\n'` exited 2: dpkg-query: error: database is locked\n"
+    )
+    assert "Traceback" not in err
 
 
 # --- the installed command, as a real process ---

@@ -259,6 +259,24 @@ def test_restart_history_older_than_an_hour_counts_but_does_not_limit(rig: Rig) 
     assert daemon.policy.history == [START - 30]
 
 
+def test_the_restart_history_is_never_written_through_a_planted_link(tmp_path: Path) -> None:
+    # The state directory belongs to the service user: a link at the old fixed temporary name, or at the
+    # file itself, must not make the daemon write somewhere else.
+    precious = tmp_path / "shadow"
+    precious.write_text("root:secret\n")
+    state = tmp_path / "state" / "health-state.json"
+    state.parent.mkdir()
+    state.with_suffix(".tmp").symlink_to(precious)
+    log = RestartLog(state)
+    log.append(START, "decay")
+    state.unlink()
+    state.symlink_to(precious)
+    log.append(START + 1, "creep")
+    assert precious.read_text() == "root:secret\n"
+    assert not state.is_symlink()
+    assert RestartLog(state).totals() == {"creep": 1}  # the link was replaced, not read as history
+
+
 def test_a_slow_bucket_of_its_own_is_not_decay(rig: Rig) -> None:
     learn_baseline(rig)
     # Long conversations decode slower; they are a bucket of their own, not a decay of the short one.

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from appliance.cli.main import main
+from appliance.facts.engine import Manifest
 from appliance.ops import engine
 
 pytestmark = pytest.mark.engine
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.engine
 def test_a_second_install_reuses_the_cached_build(
     engine_binary: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if engine.Manifest.read(engine_binary.parent.parent) is None:
+    if Manifest.read(engine_binary.parent.parent) is None:
         pytest.fail("the engine under test was not installed by `llm-appliance engine install`")
     dest = tmp_path / "engine"
     first = engine.install(dest=dest)  # copies from the warm build cache: seconds, no compile

@@ -55,7 +55,7 @@ def test_every_reason_and_probe_the_code_uses_is_created_at_start() -> None:
     # An alert on increase(...[6h]) needs its series before the first increment.
     code = "\n".join(
         (REPO / path).read_text()
-        for path in ("appliance/health/daemon.py", "appliance/runtime/service.py", "appliance/cli/main.py")
+        for path in ("appliance/health/daemon.py", "appliance/health/service.py", "appliance/cli/parser.py")
     )
     probes = set(re.findall(r'probe_errors\.labels\("(\w+)"\)', code))
     assert probes and probes <= set(PROBES), probes - set(PROBES)

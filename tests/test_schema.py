@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from conftest import EXAMPLE_FACTS, EXAMPLES
 
-from appliance.cli.main import spec_schema
+from appliance.cli.commands import spec_schema
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schema" / "llm-appliance.schema.json"
 REGENERATE = "regenerate it: llm-appliance schema > schema/llm-appliance.schema.json"

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import appliance.cli.main as cli
+from appliance.cli.commands import EXIT_USAGE
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
 from appliance.measure.config import BenchError, Config, configured, spec_values, valid
@@ -305,9 +306,9 @@ def test_options_that_cannot_work_are_usage_errors(
     example: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     spec = str(example("demo.toml"))
-    assert cli.main(["tune", spec, "--tolerance", "0.7", "--no-baseline"]) == cli.EXIT_USAGE
-    assert cli.main(["tune", spec, "--workload", "poetry", "--no-baseline"]) == cli.EXIT_USAGE
-    assert cli.main(["bench", spec, "--standalone", "--tokens", "0", "--no-baseline"]) == cli.EXIT_USAGE
+    assert cli.main(["tune", spec, "--tolerance", "0.7", "--no-baseline"]) == EXIT_USAGE
+    assert cli.main(["tune", spec, "--workload", "poetry", "--no-baseline"]) == EXIT_USAGE
+    assert cli.main(["bench", spec, "--standalone", "--tokens", "0", "--no-baseline"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "--tolerance" in err and "no workload poetry" in err and "--tokens" in err
 

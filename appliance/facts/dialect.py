@@ -7,10 +7,11 @@ aborts the start), so the argv is written in the dialect of the binary that will
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+from appliance.system.run import run
 
 _OPTION = re.compile(r"(?<![\w-])(--?[A-Za-z][A-Za-z0-9-]*)")
 
@@ -101,8 +102,9 @@ def parse_help(text: str, source: str) -> Dialect:
 
 
 def read_binary_dialect(binary: Path, timeout: float = 20.0) -> Dialect:
-    """Run `BINARY --help`; raises OSError or subprocess errors for the caller to report."""
-    result = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=timeout, check=False)
+    """Run `BINARY --help`; raises CommandFailed (it did not run) or OSError (it printed no options)."""
+    # Quiet: a probe, run by every validate and render; its exit code is judged by what it printed.
+    result = run([binary, "--help"], timeout=timeout, check=False, quiet=True)
     text = result.stdout + result.stderr
     dialect = parse_help(text, str(binary))
     if not dialect.flags:

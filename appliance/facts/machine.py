@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.facts.dialect import Dialect, builtin_dialect, read_binary_dialect
 from appliance.facts.gpu import GpuMemory, Nvml, NvmlUnavailable, Pynvml
 from appliance.spec.model import DEFAULT_BINARY, Spec
+from appliance.system.run import CommandFailed
 
 
 @dataclass(frozen=True)
 class MachineFacts:
     gpus: tuple[GpuMemory, ...]
-    driver_version: str | None
-    cuda_version: str | None
     nvml_error: str | None
     binary: Path | None  # the llama-server that will run, when found
     dialect: Dialect
@@ -45,10 +43,9 @@ def find_binary(spec: Spec) -> Path | None:
 def gather(spec: Spec, nvml: Nvml | None = None) -> MachineFacts:
     nvml = nvml or Pynvml()
     gpus: tuple[GpuMemory, ...] = ()
-    driver = cuda = nvml_error = None
+    nvml_error = None
     try:
         gpus = tuple(nvml.gpus())
-        driver, cuda = nvml.driver_version(), nvml.cuda_version()
     except NvmlUnavailable as exc:
         nvml_error = str(exc)
     binary = find_binary(spec)
@@ -59,7 +56,7 @@ def gather(spec: Spec, nvml: Nvml | None = None) -> MachineFacts:
     else:
         try:
             dialect = read_binary_dialect(binary)
-        except (OSError, subprocess.SubprocessError) as exc:
+        except (OSError, CommandFailed) as exc:
             dialect = builtin_dialect()
             note = f"{binary} --help failed ({exc}); planned with the built-in dialect"
-    return MachineFacts(gpus, driver, cuda, nvml_error, binary, dialect, note)
+    return MachineFacts(gpus, nvml_error, binary, dialect, note)

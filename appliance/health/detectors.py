@@ -185,15 +185,14 @@ class RestartPolicy:
     idle_timeout_seconds: float
     history: list[float] = field(default_factory=list)
     wanted_since: float | None = None
-    wanted_reason: str = ""
     exhausted: bool = False
 
     def decide(self, now: float, reason: str | None, busy: bool) -> RestartDecision:
         if reason is None:
-            self.wanted_since, self.wanted_reason = None, ""
+            self.wanted_since = None
             return RestartDecision("none", "")
         if self.wanted_since is None:
-            self.wanted_since, self.wanted_reason = now, reason
+            self.wanted_since = now
         recent = [t for t in self.history if now - t < 3600]
         if len(recent) >= self.max_per_hour:
             self.exhausted = True
@@ -216,4 +215,4 @@ class RestartPolicy:
 
     def restarted(self, now: float) -> None:
         self.history = [t for t in self.history if now - t < 3600] + [now]
-        self.wanted_since, self.wanted_reason = None, ""
+        self.wanted_since = None

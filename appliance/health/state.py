@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from appliance.system.files import write_atomically
+
 log = logging.getLogger("llm-appliance.health")
 KEEP_SECONDS = 7 * 86400
 
@@ -44,9 +46,7 @@ class RestartLog:
         totals = self.totals()
         totals[reason] = totals.get(reason, 0) + 1
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = self.path.with_suffix(".tmp")
-            temporary.write_text(json.dumps({"restarts": kept, "totals": totals}))
-            temporary.replace(self.path)
+            # Not a fixed temporary name: the state directory belongs to the service user, who could plant one.
+            write_atomically(self.path, json.dumps({"restarts": kept, "totals": totals}))
         except OSError as exc:
             log.warning("cannot save the restart history to %s: %s", self.path, exc)

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Protocol
+
+from appliance.system.run import CommandFailed, run
 
 
 class UnitError(Exception):
@@ -23,15 +24,13 @@ class SystemdUnit:
         self.unit = unit
         self.timeout = timeout
 
-    def _systemctl(self, *args: str) -> str:
+    def _systemctl(self, *args: str, quiet: bool = True) -> str:
+        # The daemon asks every few seconds: the questions are quiet, only the restart is logged.
         try:
-            result = subprocess.run(
-                ["systemctl", *args], capture_output=True, text=True, timeout=self.timeout, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise UnitError(f"systemctl {' '.join(args)}: {exc}") from None
-        if result.returncode != 0 and args[0] not in ("is-active",):
-            raise UnitError(f"systemctl {' '.join(args)} exited {result.returncode}: {result.stderr.strip()}")
+            # is-active exits non-zero for every state but "active"; its answer is on stdout.
+            result = run(["systemctl", *args], timeout=self.timeout, check=args[0] != "is-active", quiet=quiet)
+        except CommandFailed as exc:
+            raise UnitError(str(exc)) from None
         return result.stdout.strip()
 
     def main_pid(self) -> int | None:
@@ -43,7 +42,7 @@ class SystemdUnit:
 
     def restart(self, reason: str) -> None:
         # --no-block: the restart may stop this daemon too (it is bound to the server); state is saved first.
-        self._systemctl("restart", "--no-block", self.unit)
+        self._systemctl("restart", "--no-block", self.unit, quiet=False)
 
 
 def descendants(pid: int) -> set[int]:

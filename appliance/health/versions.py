@@ -12,8 +12,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from appliance.facts.engine import Manifest
 from appliance.facts.gpu import Nvml, NvmlUnavailable
-from appliance.ops.engine import Manifest
 from appliance.spec.model import Versions as Pins
 
 

@@ -9,21 +9,21 @@ Builds are cached under the cache directory by source and options; a second inst
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tarfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from appliance.facts.engine import Manifest
 from appliance.system import paths
+from appliance.system.files import write_atomically
+from appliance.system.run import CommandFailed, run, stream
 
 CACHE_DIR = Path(os.environ.get("LLM_APPLIANCE_CACHE", "/var/cache/llm-appliance"))
-MANIFEST = "manifest.json"
 
 
 @dataclass(frozen=True)
@@ -50,27 +50,6 @@ PINNED = Source(
 
 class EngineError(Exception):
     """Provisioning failed; the message says which step and what to do."""
-
-
-@dataclass(frozen=True)
-class Manifest:
-    binary: str
-    origin: str  # "built", "user" or "path"
-    version_line: str
-    source: dict[str, str] | None
-    backends: list[str]
-    build_options: list[str]
-    built_at: str
-
-    def write(self, directory: Path) -> None:
-        (directory / MANIFEST).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
-
-    @classmethod
-    def read(cls, directory: Path) -> Manifest | None:
-        try:
-            return cls(**json.loads((directory / MANIFEST).read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
 
 
 def backend() -> str:
@@ -115,7 +94,11 @@ def log(message: str) -> None:
 
 
 def version_line(binary: Path) -> str:
-    result = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30, check=False)
+    try:
+        # Quiet: a probe; what it printed is judged here, with the exit code.
+        result = run([binary, "--version"], timeout=30, check=False, quiet=True)
+    except CommandFailed as exc:
+        raise EngineError(f"{binary} --version failed: {exc}") from None
     text = (result.stdout + result.stderr).strip()
     match = re.search(r"version: .*", text)
     if result.returncode != 0 or not match:
@@ -206,7 +189,7 @@ def build(cache: Path, kind: str, jobs: int | None = None) -> Path:
             ["cmake", "-S", str(source), "-B", str(build_dir), *generator, *build_options(kind)],
             "configure llama.cpp (cmake)",
         )
-        (build_dir / "llm-appliance-options.txt").write_text("\n".join(build_options(kind)) + "\n")
+        write_atomically(build_dir / "llm-appliance-options.txt", "\n".join(build_options(kind)) + "\n")
     jobs = jobs or os.cpu_count() or 2
     log(f"building llama-server with {jobs} jobs (a first CPU build took 7 minutes on 2 cores here; CUDA takes longer)")
     _run_with_progress(["cmake", "--build", str(build_dir), "--target", "llama-server", "llama", "-j", str(jobs)])
@@ -291,25 +274,25 @@ def _install(dest: Path, cache: Path, binary: str | None, jobs: int | None) -> M
 
 
 def _run(argv: list[str], step: str) -> None:
-    result = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise EngineError(
-            f"could not {step}: `{' '.join(argv)}` exited {result.returncode}:\n{(result.stdout + result.stderr)[-2000:]}"
-        )
+    try:
+        run(argv)
+    except CommandFailed as exc:
+        raise EngineError(f"could not {step}: {exc}") from None
 
 
 def _run_with_progress(argv: list[str]) -> None:
     """Stream the build, printing a progress line every few percent so a user sees it is alive."""
-    tail: list[str] = []
     last_shown = -10
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
-        assert process.stdout is not None
-        for line in process.stdout:
-            tail = [*tail[-40:], line]
-            if match := re.match(r"\[(\d+)/(\d+)\]", line):
-                percent = 100 * int(match.group(1)) // int(match.group(2))
-                if percent >= last_shown + 5 or percent == 100:
-                    last_shown = percent
-                    log(f"build {percent:3d}% {line.split(']', 1)[1].strip()[:90]}")
-    if process.returncode != 0:
-        raise EngineError(f"the llama-server build failed (exit {process.returncode}):\n{''.join(tail)}")
+
+    def progress(line: str) -> None:
+        nonlocal last_shown
+        if match := re.match(r"\[(\d+)/(\d+)\]", line):
+            percent = 100 * int(match.group(1)) // int(match.group(2))
+            if percent >= last_shown + 5 or percent == 100:
+                last_shown = percent
+                log(f"build {percent:3d}% {line.split(']', 1)[1].strip()[:90]}")
+
+    try:
+        stream(argv, progress)
+    except CommandFailed as exc:
+        raise EngineError(f"the llama-server build failed: {exc}") from None

