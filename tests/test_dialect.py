@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from appliance.facts.dialect import Dialect, builtin_dialect, parse_help, read_binary_dialect
-from appliance.plan.plan import build_argv
+from appliance.plan.argv import build_argv
 from appliance.plan.validate import validate
 from appliance.spec.load import load_spec
 from appliance.spec.problems import Severity

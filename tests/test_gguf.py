@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from appliance.facts.gguf import GGUFError, ModelInfo, Tensor, read_model
-from appliance.plan.plan import budgets, gpu_weight_bytes, kv_bytes_per_token, kv_cells
+from appliance.plan.budget import budgets, gpu_weight_bytes, kv_bytes_per_token, kv_cells
 from appliance.spec.model import Spec
 
 MIB = 1 << 20

@@ -16,7 +16,7 @@ from pathlib import Path
 from appliance.facts.dialect import builtin_dialect, read_binary_dialect
 from appliance.facts.engine import Manifest
 from appliance.ops import engine, models
-from appliance.plan.plan import lines
+from appliance.plan.budget import lines
 from appliance.plan.resolved import SNAPSHOT, Appliance, changed_fields, resolve
 from appliance.plan.validate import Validated, validate
 from appliance.render.apply import changes, installed_spec_path, reload_system, write
@@ -58,7 +58,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     print("\nllama-server argv:")
     print("  " + " \\\n    ".join(_pairs(plan.argv)))
     print("\nmemory budget:")
-    budget = list(lines(plan))
+    budget = list(lines(plan.budgets))
     print("\n".join(budget) if budget else "  no GPU device in the plan (CPU only)")
     print("\nwarnings:")
     print(report(result.warnings) if result.warnings else "  none")

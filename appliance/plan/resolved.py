@@ -17,7 +17,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from appliance.plan.plan import Plan, draft_devices, gpu_devices
+from appliance.plan.devices import draft_devices, gpu_devices
+from appliance.plan.plan import Plan
 from appliance.spec.model import Spec
 from appliance.system import paths
 

@@ -1,0 +1,176 @@
+"""The llama-server command line in the installed binary's own flag dialect, and the checks of
+`server.extra_args` against it and against what the spec already sets. Pure."""
+
+from __future__ import annotations
+
+from appliance.facts.dialect import REMOVED, SPELLINGS, Dialect
+from appliance.spec.model import Spec
+from appliance.spec.problems import Problem, error, warning
+
+
+class _Argv:
+    def __init__(self, binary: str, dialect: Dialect) -> None:
+        self.args = [binary]
+        self.problems: list[Problem] = []
+        self.dialect = dialect
+
+    def flag(self, option: str, field_path: str, *values: str, required: bool = True) -> None:
+        spelling = self.dialect.spelling(option)
+        if spelling is not None:
+            self.args.extend([spelling, *values])
+        elif required:
+            self.problems.append(
+                error(
+                    field_path,
+                    f"{self.dialect.source} accepts none of {', '.join(SPELLINGS[option])}",
+                    "install the llama.cpp this release builds: llm-appliance engine install",
+                )
+            )
+
+
+def build_argv(spec: Spec, dialect: Dialect, binary: str, draft_in_use: bool) -> tuple[tuple[str, ...], list[Problem]]:
+    """The llama-server command line in the binary's own dialect, grouped: serving, model, draft."""
+    argv = _Argv(binary, dialect)
+    _serving_flags(argv, spec)
+    _model_flags(argv, spec)
+    _speculative_flags(argv, spec, draft_in_use)
+    problems = argv.problems + _extra_arg_problems(spec.server.extra_args, argv.args, dialect)
+    return (*argv.args, *spec.server.extra_args), problems
+
+
+def _serving_flags(argv: _Argv, spec: Spec) -> None:
+    flag, server = argv.flag, spec.server
+    flag("host", "server.host", server.host)
+    flag("port", "server.port", str(server.port))
+    if server.api_key_file is not None:
+        flag("api_key_file", "server.api_key_file", str(server.api_key_file))
+    flag("metrics", "server")
+    flag("slots", "server", required=False)
+    _cors_flags(argv, spec)
+    flag("offline", "server", required=False)  # no model fetching at run time
+    flag("fit", "memory", "off", required=False)  # the memory plan is ours, not an automatic refit
+
+
+def _cors_flags(argv: _Argv, spec: Spec) -> None:
+    """Which web pages a browser lets read the API: llama-server's default reflects every Origin, with
+    credentials. It sends --cors-origins verbatim as Access-Control-Allow-Origin, so an empty value grants no
+    one. Credentials stay off: the API key is a header a page sets itself, and no cookie is involved."""
+    origins = spec.server.cors_origins
+    if argv.dialect.spelling("cors_origins") is None and not origins:
+        argv.problems.append(
+            warning(
+                "server.cors_origins",
+                f"{argv.dialect.source} has no --cors-origins, so it cannot be told which web pages may read the "
+                "API: llama-server's default grants every origin, so any page open in a browser on a client can",
+                "install the llama.cpp this release builds (llm-appliance engine install), or set api_key_file",
+            )
+        )
+        return
+    argv.flag("cors_origins", "server.cors_origins", ",".join(origins))
+    argv.flag("no_cors_credentials", "server.cors_origins", required=False)
+
+
+def _model_flags(argv: _Argv, spec: Spec) -> None:
+    flag, server, target = argv.flag, spec.server, spec.models.target
+    flag("model", "models.target.path", str(target.path))
+    flag("ctx_size", "server.ctx_size", str(server.ctx_size))
+    flag("parallel", "server.parallel", str(server.parallel))
+    if server.threads:
+        flag("threads", "server.threads", str(server.threads))
+    flag("batch_size", "server.batch_size", str(server.batch_size))
+    flag("ubatch_size", "server.ubatch_size", str(server.ubatch_size))
+    flag("flash_attn", "server.flash_attn", server.flash_attn)
+    if argv.dialect.spelling("load_mode"):
+        flag("load_mode", "server.load_mode", server.load_mode)
+    elif server.load_mode in ("mlock", "mmap+mlock"):
+        flag("mlock", "server.load_mode")
+    elif server.load_mode == "none":
+        flag("no_mmap", "server.load_mode")
+    if target.devices:
+        flag("device", "models.target.devices", ",".join(target.devices))
+    flag("gpu_layers", "models.target.gpu_layers", str(target.gpu_layers))
+    flag("cache_type_k", "models.target.cache_type_k", target.cache_type_k)
+    flag("cache_type_v", "models.target.cache_type_v", target.cache_type_v)
+    sampling = server.sampling
+    flag("temperature", "server.sampling.temperature", f"{sampling.temperature:g}")
+    flag("top_p", "server.sampling.top_p", f"{sampling.top_p:g}")
+    flag("top_k", "server.sampling.top_k", str(sampling.top_k))
+    flag("min_p", "server.sampling.min_p", f"{sampling.min_p:g}")
+    flag("repeat_penalty", "server.sampling.repeat_penalty", f"{sampling.repeat_penalty:g}")
+    if sampling.seed is not None:
+        flag("seed", "server.sampling.seed", str(sampling.seed))
+
+
+def _speculative_flags(argv: _Argv, spec: Spec, draft_in_use: bool) -> None:
+    flag, draft, speculative = argv.flag, spec.models.draft, spec.speculative
+    if draft is not None and draft_in_use:
+        # Without --spec-type draft-simple current llama-server loads the draft and never drafts.
+        # Binaries older than --spec-type drafted with the draft model alone.
+        flag("spec_type", "speculative.type", speculative.type, required=speculative.type != "draft-simple")
+        flag("draft_model", "models.draft.path", str(draft.path))
+        flag("draft_n_max", "speculative.n_max", str(speculative.n_max))
+        flag("draft_n_min", "speculative.n_min", str(speculative.n_min))
+        flag("draft_p_min", "speculative.p_min", f"{speculative.p_min:g}")
+        if draft.devices:
+            flag("draft_device", "models.draft.devices", ",".join(draft.devices))
+        flag("draft_gpu_layers", "models.draft.gpu_layers", str(draft.gpu_layers))
+        # Binaries older than -ctkd/-ctvd (llama.cpp PR 13782, mid 2025) always gave the draft an f16 cache.
+        flag(
+            "draft_cache_type_k", "models.draft.cache_type_k", draft.cache_type_k, required=draft.cache_type_k != "f16"
+        )
+        flag(
+            "draft_cache_type_v", "models.draft.cache_type_v", draft.cache_type_v, required=draft.cache_type_v != "f16"
+        )
+    elif draft is None and speculative.type.startswith("ngram"):
+        flag("spec_type", "speculative.type", speculative.type)
+
+
+def _extra_arg_problems(extra: list[str], planned: list[str], dialect: Dialect) -> list[Problem]:
+    found = []
+    planned_options = {SPELLING_OWNER.get(arg) for arg in planned if arg.startswith("-")} - {None}
+    for index, arg in enumerate(extra):
+        name = arg.split("=", 1)[0]
+        if not name.startswith("-") or _is_number(name):
+            continue
+        where = f"server.extra_args[{index}]"
+        if name in SECRET_FLAGS:
+            found.append(error(where, SECRET_FLAGS[name].format(name=name), "set server.api_key_file instead"))
+        elif name in REMOVED and not dialect.accepts(name):
+            found.append(
+                error(where, f"{name} was removed from llama-server", f"set {REMOVED[name]} in the spec instead")
+            )
+        elif not dialect.accepts(name):
+            found.append(
+                error(
+                    where,
+                    f"{name} is not a flag of {dialect.source}",
+                    "check `llama-server --help` of the installed binary",
+                )
+            )
+        elif SPELLING_OWNER.get(name) in planned_options:
+            found.append(
+                error(
+                    where,
+                    f"{name} is already set from the spec",
+                    f"set it through the spec field for {SPELLING_OWNER[name]} instead",
+                )
+            )
+    return found
+
+
+# Flags that carry a secret, or one the appliance must know of (its scrape job and probes use the key).
+SECRET_FLAGS = {
+    "--api-key": "{name} puts the API key on the command line: in /proc/PID/cmdline, the journal and the snapshot",
+    "--api-key-file": "{name} in extra_args hides the key file from the health daemon and the scrape job",
+}
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+SPELLING_OWNER = {spelling: option for option, spellings in SPELLINGS.items() for spelling in spellings}

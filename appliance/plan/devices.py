@@ -1,0 +1,33 @@
+"""Which devices each model runs on, and whether the draft is in use: the rules every floor above asks."""
+
+from __future__ import annotations
+
+from appliance.facts.gguf import ModelInfo
+from appliance.spec.model import Model, Spec
+
+
+def draft_in_use(spec: Spec) -> bool:
+    """A draft model is configured and the speculative type is one that drafts with it."""
+    return spec.models.draft is not None and spec.speculative.type.startswith("draft-")
+
+
+def gpu_devices(model: Model) -> list[str]:
+    return [d for d in model.devices if d != "none"] if model.gpu_layers != 0 else []
+
+
+def draft_devices(spec: Spec) -> list[str]:
+    # llama.cpp: the draft follows --device unless --spec-draft-device is given.
+    draft = spec.models.draft
+    if draft is None:
+        return []
+    return gpu_devices(draft) if draft.devices else gpu_devices(spec.models.target)
+
+
+def offloaded_layers(model: Model, info: ModelInfo) -> int:
+    """How many layers llama.cpp puts on the GPU; n_layer + 1 means the output layer too."""
+    if not gpu_devices(model):
+        return 0
+    if model.gpu_layers in ("all", "auto"):
+        return info.block_count + 1
+    assert isinstance(model.gpu_layers, int)
+    return min(model.gpu_layers, info.block_count + 1)
