@@ -18,6 +18,15 @@ from appliance.render.apply import ApplyError
 from appliance.spec.problems import SpecInvalid, report
 from appliance.system.run import CommandFailed
 
+# Each failure a command may meet, and its exit code; the message names what failed and how to fix it.
+EXIT_CODES: tuple[tuple[tuple[type[Exception], ...], int], ...] = (
+    ((SnapshotError,), EXIT_INVALID),
+    ((BenchUsage,), EXIT_USAGE),  # before BenchError, which it is
+    ((ApplyError, ExporterUnavailable, CommandFailed, BenchError), EXIT_APPLY),
+    ((engine.EngineError, models.ModelFetchError), EXIT_ENGINE),
+)
+FAILURES = tuple(kind for kinds, _ in EXIT_CODES for kind in kinds)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
@@ -30,27 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         count = len(exc.errors)
         print(f"{count} error{'s' if count != 1 else ''}; nothing was written", file=sys.stderr)
         return EXIT_INVALID
-    except SnapshotError as exc:
+    except FAILURES as exc:
         print(f"{args.command}: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except ApplyError as exc:
-        print(f"apply: {exc}", file=sys.stderr)
-        return EXIT_APPLY
-    except ExporterUnavailable as exc:
-        print(f"{args.command}: {exc}", file=sys.stderr)
-        return EXIT_APPLY
-    except CommandFailed as exc:  # a step of install, uninstall or hold-driver: it says what ran and what it said
-        print(f"{args.command}: {exc}", file=sys.stderr)
-        return EXIT_APPLY
-    except (engine.EngineError, models.ModelFetchError) as exc:
-        print(f"{args.command}: {exc}", file=sys.stderr)
-        return EXIT_ENGINE
-    except BenchUsage as exc:
-        print(f"{args.command}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except BenchError as exc:
-        print(f"{args.command}: {exc}", file=sys.stderr)
-        return EXIT_APPLY
+        return next(code for kinds, code in EXIT_CODES if isinstance(exc, kinds))
     except KeyboardInterrupt:
         return 130
 
