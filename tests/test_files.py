@@ -1,5 +1,6 @@
 """The one writer: the old file or the new one, never half of one; the mode and owner asked for; never
-through a link planted at the target or at a guessable temporary name."""
+through a link planted at the target or at a guessable temporary name, nor into a directory the service user
+could redirect."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 import appliance.system.files
 from appliance.system.files import replacing, write_atomically
+from appliance.system.users import account, trusted_status
 
 
 def test_replaces_the_file_and_sets_the_mode(tmp_path: Path) -> None:
@@ -111,3 +113,85 @@ def test_a_symlink_planted_at_an_old_style_temporary_name_is_not_written_through
     write_atomically(target, "{}")
     assert precious.read_text() == "root:secret\n"
     assert target.read_text() == "{}"
+
+
+# -- the service user's directories: it is what a compromised llama-server has ---------------------------
+
+SERVICE = account()
+as_root_with_a_service_user = pytest.mark.skipif(
+    os.geteuid() != 0 or SERVICE is None, reason="needs root and the llm-appliance user (install.sh creates it)"
+)
+
+
+def _give(path: Path, mode: int = 0o755) -> Path:
+    assert SERVICE is not None
+    path.mkdir(exist_ok=True)
+    os.chown(path, SERVICE.uid, SERVICE.gid)
+    path.chmod(mode)
+    return path
+
+
+@as_root_with_a_service_user
+def test_root_does_not_write_into_a_directory_of_the_service_user(tmp_path: Path) -> None:
+    state = _give(tmp_path / "state")
+    with pytest.raises(PermissionError, match=f"{state} belongs to llm-appliance"):
+        write_atomically(state / "baseline.json", "{}")
+    assert list(state.iterdir()) == []
+
+
+@as_root_with_a_service_user
+def test_a_directory_the_service_user_swapped_for_a_link_is_not_written_through(tmp_path: Path) -> None:
+    # The old layout: /var/lib/llm-appliance belonged to the service user, and root fetched models into
+    # its models/ directory. The service user replaces models/ by a link to a directory root owns.
+    lib = _give(tmp_path / "lib")
+    outside = tmp_path / "etc-cron.d"
+    outside.mkdir()
+    (lib / "models").symlink_to(outside)
+    os.chown(lib / "models", SERVICE.uid, SERVICE.gid, follow_symlinks=False)  # type: ignore[union-attr]
+    with pytest.raises(PermissionError, match=f"{lib} belongs to llm-appliance"):
+        write_atomically(lib / "models" / "model.gguf", "* * * * * root sh -c evil\n")
+    assert list(outside.iterdir()) == []
+
+
+@as_root_with_a_service_user
+def test_a_root_owned_link_into_a_directory_of_the_service_user_is_followed_and_refused(tmp_path: Path) -> None:
+    state = _give(tmp_path / "state")
+    (tmp_path / "alias").symlink_to(state)
+    with pytest.raises(PermissionError, match=f"{state} belongs to llm-appliance"):
+        write_atomically(tmp_path / "alias" / "sub" / "file", "x")
+    assert list(state.iterdir()) == []  # not even the missing directory was created in it
+
+
+@as_root_with_a_service_user
+def test_a_directory_writable_by_the_service_users_group_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, 0, SERVICE.gid)  # type: ignore[union-attr]
+    shared.chmod(0o775)
+    with pytest.raises(PermissionError, match=f"{shared} is writable by llm-appliance"):
+        write_atomically(shared / "file", "x")
+
+
+@as_root_with_a_service_user
+def test_a_sticky_directory_is_fine_but_not_an_entry_of_the_service_user_in_it(tmp_path: Path) -> None:
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    write_atomically(sticky / "root-owned" / "file", "x")  # its entries of root's cannot be swapped
+    assert (sticky / "root-owned" / "file").read_text() == "x"
+    planted = _give(sticky / "planted")
+    with pytest.raises(PermissionError, match=f"{planted} belongs to llm-appliance"):
+        write_atomically(planted / "file", "x")
+
+
+@as_root_with_a_service_user
+def test_a_file_the_service_user_could_have_changed_is_not_trusted(tmp_path: Path) -> None:
+    assert SERVICE is not None
+    record = tmp_path / "record.json"
+    record.write_text("{}")
+    assert trusted_status(record, SERVICE) is None
+    os.chown(record, SERVICE.uid, SERVICE.gid)
+    assert trusted_status(record, SERVICE) == f"{record} can be changed by llm-appliance"
+    state = _give(tmp_path / "state")
+    (state / "record.json").write_text("{}")  # root's file, in the service user's directory
+    assert trusted_status(state / "record.json", SERVICE) == f"{state} belongs to llm-appliance"

@@ -1,2 +1,3 @@
 """Floor 0, the operating system: where the appliance lives on a machine (paths), the one way to run a
-command (run) and the one way to write a file (files). Imports nothing of the appliance."""
+command (run), the one way to write a file (files), and the service user (users: what it could change or
+read, and dropping to it). Imports nothing of the appliance above it."""
