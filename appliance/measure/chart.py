@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
+
+from appliance.system.files import write_atomically
 
 COLORS = ((52, 101, 164), (186, 189, 182))  # with draft, no draft
 INK = (46, 52, 54)
@@ -75,5 +78,6 @@ def draw_bench_chart(
         with_draft, without = pair
         label = name if not (with_draft and without) else f"{name}  {with_draft / without:.2f}x"
         draw.text((center, height - bottom + 8), label, fill=INK, font=font, anchor="ma")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path, format="PNG")
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    write_atomically(path, png.getvalue())  # the one writer: bench often runs as root

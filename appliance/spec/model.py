@@ -201,7 +201,7 @@ class Health(Strict):
     min_free_mib: Annotated[int, Field(ge=0)] = 512
     acceptance_min: Annotated[float, Field(ge=0.0, le=1.0)] = 0.4
     canary_after_idle_seconds: Annotated[int, Field(ge=0)] = 900
-    baseline_file: FilePath = Path("/var/lib/llm-appliance/baseline.json")
+    baseline_file: FilePath = paths.BASELINE
 
 
 class Restart(Strict):

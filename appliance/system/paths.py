@@ -11,8 +11,13 @@ ENGINE_DIR = PREFIX / "engine"
 
 ETC = Path("/etc/llm-appliance")
 RENDERED = ETC / "rendered"
-STATE = Path("/var/lib/llm-appliance")
-MODELS = STATE / "models"
+# Root's, like everything in it but state/: the service user (what a compromised llama-server has) can change
+# nothing that root writes or later trusts.
+LIB = Path("/var/lib/llm-appliance")
+STATE = LIB / "state"  # the service user's: the units' StateDirectory=, the restart history
+MODELS = LIB / "models"  # root's; the service user reads them
+BASELINE = LIB / "baseline.json"  # bench and tune (root) write it; the health daemon reads it
+SHIPPED_RECORD = LIB / "shipped-specs.json"  # which /etc/llm-appliance/*.toml are still as shipped
 SERVICE_USER = "llm-appliance"
 NFT_TABLE = "llm_appliance"
 SERVER_UNIT = "llm-appliance-server.service"
