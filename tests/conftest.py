@@ -133,7 +133,11 @@ UpProcess = Callable[[Path], tuple[subprocess.Popen[str], list[str]]]
 
 @pytest.fixture
 def appliance_up(tmp_path: Path) -> Iterator[UpProcess]:
-    """`llm-appliance up SPEC` in the background, its output collected; resumed and stopped at the end."""
+    """`llm-appliance up SPEC` in the background, its output collected; resumed and stopped at the end.
+
+    With --as-current-user: these tests run as root with models and state in pytest's directories (0700,
+    root's), which the service user `up` would become cannot read; tests/test_privileges.py runs `up` as root
+    without it and checks that llama-server runs as the service user."""
     started: list[subprocess.Popen[str]] = []
 
     def start(spec: Path) -> tuple[subprocess.Popen[str], list[str]]:
@@ -148,6 +152,7 @@ def appliance_up(tmp_path: Path) -> Iterator[UpProcess]:
                 str(tmp_path / "state"),
                 "--stop-timeout",
                 "5",
+                "--as-current-user",
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

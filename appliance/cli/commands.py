@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -195,7 +196,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"llm-appliance up: serving {args.spec} at {appliance.server.url} in the foreground; Ctrl-C stops it",
         file=sys.stderr,
     )
-    return up(appliance, args.stop_timeout)
+    return up(appliance, args.stop_timeout, as_current_user=args.as_current_user)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -211,9 +212,14 @@ def cmd_check_versions(args: argparse.Namespace) -> int:
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
+    from appliance.health.privileges import become, service_user
     from appliance.health.service import restart_when_idle
 
-    return restart_when_idle(Appliance.read(args.snapshot), args.reason)
+    appliance = Appliance.read(args.snapshot)
+    if os.geteuid() == 0:
+        # As the timer runs it: the restart history is the service user's to write, and polkit lets it restart.
+        become(service_user("restart"), appliance.state_file.parent)
+    return restart_when_idle(appliance, args.reason)
 
 
 def cmd_install(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from appliance.cli.commands import EXIT_APPLY, EXIT_ENGINE, EXIT_INVALID, EXIT_USAGE
 from appliance.cli.parser import parser
 from appliance.health.exporter import ExporterUnavailable
+from appliance.health.privileges import PrivilegeError
 from appliance.measure.config import BenchError, BenchUsage
 from appliance.ops import engine, models
 from appliance.ops.layout import LayoutError
@@ -22,7 +23,7 @@ from appliance.system.run import CommandFailed
 # Each failure a command may meet, and its exit code; the message names what failed and how to fix it.
 EXIT_CODES: tuple[tuple[tuple[type[Exception], ...], int], ...] = (
     ((SnapshotError,), EXIT_INVALID),
-    ((BenchUsage,), EXIT_USAGE),  # before BenchError, which it is
+    ((BenchUsage, PrivilegeError), EXIT_USAGE),  # BenchUsage before BenchError, which it is
     ((ApplyError, ExporterUnavailable, CommandFailed, BenchError, LayoutError), EXIT_APPLY),
     ((engine.EngineError, models.ModelFetchError), EXIT_ENGINE),
 )

@@ -87,10 +87,19 @@ def _unit_commands(command: Command) -> None:
     p.add_argument("spec", type=Path, nargs="?", help="run this spec instead of the applied snapshot")
     _snapshot_option(p)
     p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
-    p = command("up", cmd_up, "run the appliance in the foreground, as its units would (no systemd needed)")
+    p = command(
+        "up",
+        cmd_up,
+        f"run the appliance in the foreground, as its units would (no systemd needed); root becomes {paths.SERVICE_USER}",
+    )
     p.add_argument("spec", type=Path)
     p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--state-dir", type=Path, help=f"where the restart history is kept (default {paths.STATE})")
+    p.add_argument(
+        "--as-current-user",
+        action="store_true",
+        help=f"started by root: do not become {paths.SERVICE_USER} (llama-server runs as root, unsandboxed; tests only)",
+    )
     _snapshot_option(command("health", cmd_health, "run the health daemon (the health unit's ExecStart)"))
     _snapshot_option(
         command(
@@ -99,7 +108,11 @@ def _unit_commands(command: Command) -> None:
             "compare driver, CUDA and llama.cpp with the spec's pins (ExecStartPre)",
         )
     )
-    p = command("restart", cmd_restart, "restart the server unit through systemd, when idle (what the timer runs)")
+    p = command(
+        "restart",
+        cmd_restart,
+        f"restart the server unit through systemd, when idle (what the timer runs; as {paths.SERVICE_USER}, like it)",
+    )
     _snapshot_option(p)
     p.add_argument(
         "--when-idle",

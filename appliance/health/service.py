@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -13,6 +14,7 @@ from appliance.facts.gpu import Pynvml
 from appliance.health import versions
 from appliance.health.daemon import DaemonConfig, HealthDaemon
 from appliance.health.exporter import Metrics, serve
+from appliance.health.privileges import AS_CURRENT_USER, become, prepare, say_what_is_not_enforced, service_user
 from appliance.health.state import RestartLog
 from appliance.health.units import SystemdUnit, UnitError
 from appliance.plan.resolved import Appliance
@@ -99,8 +101,16 @@ class LauncherControl:
         self.launcher.request_restart()
 
 
-def up(appliance: Appliance, stop_timeout: float) -> int:
-    """Launcher in the foreground, health daemon and exporter beside it; Ctrl-C stops both."""
+def up(appliance: Appliance, stop_timeout: float, as_current_user: bool = False) -> int:
+    """Launcher in the foreground, health daemon and exporter beside it; Ctrl-C stops both. Started by root, it
+    becomes the service user first (unless `as_current_user`, for tests), as the units' User= would."""
+    if os.geteuid() == 0 and not as_current_user:
+        who = service_user("up")
+        ruleset = prepare(appliance, who)
+        become(who, appliance.state_file.parent)
+        say_what_is_not_enforced(who, ruleset)
+    elif os.geteuid() == 0:
+        print(AS_CURRENT_USER, file=sys.stderr, flush=True)
     spec = appliance.spec
     metrics = Metrics()
     serve(metrics, appliance.exporter.host, appliance.exporter.port)

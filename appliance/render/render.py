@@ -158,7 +158,7 @@ FILES = {
     f"etc/systemd/system/{paths.HEALTH_UNIT}": "health.service.j2",
     f"etc/systemd/system/{paths.RESTART_UNIT}": "restart.service.j2",
     f"etc/systemd/system/{paths.RESTART_TIMER}": "restart.timer.j2",
-    "etc/llm-appliance/rendered/llm-appliance.nft": "firewall.nft.j2",
+    str(paths.RULESET.relative_to("/")): "firewall.nft.j2",
     str(SNAPSHOT.relative_to("/")): "appliance.json.j2",
     "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml": "alerts.rules.yml.j2",
     "etc/llm-appliance/rendered/prometheus/scrape.yml": "scrape.yml.j2",

@@ -11,6 +11,7 @@ ENGINE_DIR = PREFIX / "engine"
 
 ETC = Path("/etc/llm-appliance")
 RENDERED = ETC / "rendered"
+RULESET = RENDERED / "llm-appliance.nft"
 # Root's, like everything in it but state/: the service user (what a compromised llama-server has) can change
 # nothing that root writes or later trusts.
 LIB = Path("/var/lib/llm-appliance")

@@ -1,0 +1,100 @@
+"""Root runs nothing of the appliance's: `up` and `restart` started by root do what only root can (load the
+applied nftables ruleset, create the state directory), then become the service user for good, as the units'
+User= makes them, before anything is started or written.
+
+Without systemd what the units add on top of the user is missing, and `up` says so once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from appliance.plan.resolved import Appliance
+from appliance.render.render import render
+from appliance.system import paths
+from appliance.system.run import run
+from appliance.system.users import Account, account, drop_to, exposure
+
+STATE_MODE = 0o700
+NOT_ENFORCED = (
+    "llm-appliance up: running as {user}, without systemd; what its units would add is missing here: no system "
+    "call filter, no private /tmp or /dev (every device node the user may open is open), no read-only view of "
+    "the file system beyond the user's own rights, no capability or namespace restrictions, and no IP address "
+    "policy beyond the nftables table ({ruleset})"
+)
+AS_CURRENT_USER = (
+    "llm-appliance up: --as-current-user: llama-server and the health daemon run as root, unsandboxed; "
+    "for tests and debugging only"
+)
+
+
+class PrivilegeError(Exception):
+    """Root asked to run the appliance and cannot hand it to the service user (none exists, or its state
+    directory would be somewhere the user could redirect root's chown)."""
+
+
+def service_user(command: str) -> Account:
+    who = account()
+    if who is None:
+        raise PrivilegeError(
+            f"the service user {paths.SERVICE_USER} does not exist, and root runs nothing of the appliance's "
+            f"itself: install.sh creates the user (`useradd --system {paths.SERVICE_USER}` does too); "
+            + (
+                "or pass --as-current-user to run llama-server as root, unsandboxed"
+                if command == "up"
+                else "then run it again"
+            )
+        )
+    return who
+
+
+def prepare(appliance: Appliance, who: Account) -> str:
+    """What root does before `up` drops: the state directory (as StateDirectory= would make it) and the
+    ruleset, when the one applied is this spec's. Returns what became of the ruleset, for NOT_ENFORCED."""
+    state = appliance.state_file.parent
+    reason = exposure(_nearest_existing(state.parent), who)
+    if reason:
+        raise PrivilegeError(f"cannot give {state} to {who.name}: {reason}; choose another --state-dir")
+    state.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(state, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchown(descriptor, who.uid, who.gid)
+        os.fchmod(descriptor, STATE_MODE)
+    finally:
+        os.close(descriptor)
+    return _load_ruleset(appliance)
+
+
+def _load_ruleset(appliance: Appliance) -> str:
+    applied = paths.RULESET
+    if not applied.is_file():
+        return f"none is applied: {applied} does not exist"
+    if applied.read_text() != render(appliance)[str(applied.relative_to("/"))]:
+        return f"not loaded: {applied} is another spec's; `llm-appliance apply` this one first"
+    if shutil.which("nft") is None:
+        return "not loaded: nft is not installed"
+    run(["nft", "-f", str(applied)])
+    return f"{applied}, loaded"
+
+
+def become(who: Account, workdir: Path) -> None:
+    """The service user from here on, in its own directory, with its own name in the environment."""
+    drop_to(who)
+    os.environ.update(HOME=str(workdir), USER=who.name, LOGNAME=who.name)
+    try:
+        os.chdir(workdir)
+    except OSError:
+        os.chdir("/")  # root's working directory may be closed to it
+
+
+def say_what_is_not_enforced(who: Account, ruleset: str) -> None:
+    print(NOT_ENFORCED.format(user=who.name, ruleset=ruleset), file=sys.stderr, flush=True)
+
+
+def _nearest_existing(directory: Path) -> Path:
+    while not directory.is_dir() and directory != directory.parent:
+        directory = directory.parent
+    return directory
