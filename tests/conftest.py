@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +29,7 @@ from appliance.plan.resolved import Appliance, resolve
 from appliance.plan.validate import validate
 from appliance.render.apply import installed_spec_path
 from appliance.spec.model import Spec
+from appliance.system.users import account
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "etc" / "llm-appliance"
@@ -126,6 +129,34 @@ EXAMPLE_FACTS = {
     "dual-gpu.toml": gpu_facts(24, 24),
     "demo.toml": gpu_facts(),
 }
+
+
+KeyFile = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def key_file() -> Iterator[KeyFile]:
+    """API key files as README says to make them: root:llm-appliance, mode 0640, one key per line, each in a
+    fresh directory the service user may enter (pytest's own are 0700): validate checks them as the server
+    will read them. `mode` and `group` (a gid) make wrong ones; `text` writes the file as given."""
+    top = Path(tempfile.mkdtemp(prefix="llm-appliance-keys-", dir="/tmp"))
+    top.chmod(0o755)
+    service = account()
+
+    def make(
+        *keys: str, name: str = "api-keys", mode: int = 0o640, group: int | None = None, text: str | None = None
+    ) -> Path:
+        directory = Path(tempfile.mkdtemp(dir=top))
+        directory.chmod(0o755)
+        path = directory / name
+        path.write_text(text if text is not None else "".join(f"{key}\n" for key in keys))
+        if os.geteuid() == 0:
+            os.chown(path, 0, group if group is not None else service.gid if service else 0)
+        path.chmod(mode)
+        return path
+
+    yield make
+    shutil.rmtree(top, ignore_errors=True)
 
 
 UpProcess = Callable[[Path], tuple[subprocess.Popen[str], list[str]]]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE_FACTS, EXAMPLES, INSTALLED_MODELS
+from conftest import EXAMPLE_FACTS, EXAMPLES, INSTALLED_MODELS, KeyFile
 
 from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
@@ -513,12 +513,13 @@ def test_unknown_alert_for_key_is_refused_with_a_suggestion(tmp_path: Path, fixt
     assert [p.fix for p in raised.value.problems] == ["did you mean 'server_down'?"]
 
 
-def test_with_an_api_key_server_down_asks_whether_prometheus_can_read_it(tmp_path: Path, fixture_models: Path) -> None:
-    keys = tmp_path / "api-keys"
-    keys.write_text("a-key\n")
+def test_with_an_api_key_server_down_asks_whether_prometheus_can_read_it(
+    tmp_path: Path, fixture_models: Path, key_file: KeyFile
+) -> None:
+    keys = key_file("a-key")
     rules_file = render_example(tmp_path, fixture_models, {"[server]\n": f'[server]\napi_key_file = "{keys}"\n'})
     description = parse_rules(rules_file.read_text())["LlmApplianceServerDown"].annotations["description"]
-    assert f"can Prometheus read {keys}?" in description
+    assert f"can Prometheus read {keys}, and is its key one of the server's?" in description
     assert f"credentials_file: {keys}" in (tmp_path / SCRAPE).read_text()
     check = subprocess.run([promtool(), "check", "rules", str(rules_file)], capture_output=True, text=True, check=False)
     assert check.returncode == 0, check.stdout + check.stderr

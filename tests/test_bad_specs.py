@@ -1,12 +1,14 @@
 """Bad specs, each a small edit of a shipped example: the error names the field, the file and its line.
 
 Placeholders in a case's edits: $MODELS (the fixture models directory the example points at), $TMP (this
-test's directory, holding the broken model files of `bad_files`), $SMOLLM2 and $GEMMA3 (the real models).
+test's directory, holding the broken model files of `bad_files`), $KEYS (a directory the service user may
+enter, holding the key files of `bad_files`), $SMOLLM2 and $GEMMA3 (the real models).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import re
 from collections.abc import Callable
@@ -14,12 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE_FACTS, gpu_facts
+from conftest import EXAMPLE_FACTS, KeyFile, gpu_facts
 
 from appliance.facts.machine import MachineFacts
 from appliance.plan.validate import validate
 from appliance.spec.problems import Problem, Severity, SpecInvalid, report
+from appliance.system.users import account
 
+SERVICE = account()
 TARGET_PATH = 'path = "$MODELS/target-27b-Q4_K_M.gguf"'
 DRAFT_PATH = 'path = "$MODELS/draft-0.6b-Q4_K_M.gguf"'
 DEMO_DRAFT_PATH = '[models.draft]\npath = "$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf"'
@@ -27,6 +31,16 @@ TARGET_CACHE = 'cache_type_k = "q8_0"\ncache_type_v = "q8_0"\n\n[models.draft]'
 DRAFT_CACHE = 'cache_type_k = "q8_0"\ncache_type_v = "q8_0"\n\n[speculative]'
 FIRST_LINE = "# llm-appliance: one 24 GB GPU"
 NETWORK_ALLOW = '[network]\nallow = ["127.0.0.0/8", "::1/128"]\n'
+LOOPBACK = 'host = "127.0.0.1"'
+PROMETHEUS = "[prometheus]\n"
+
+
+def api_key(name: str) -> dict[str, str]:
+    return {LOOPBACK: f'{LOOPBACK}\napi_key_file = "$KEYS/{name}"'}
+
+
+def scrape_key(api: str | None, scrape: str) -> dict[str, str]:
+    return {**(api_key(api) if api else {}), PROMETHEUS: f'{PROMETHEUS}scrape_key_file = "$KEYS/{scrape}"\n'}
 
 
 @dataclass(frozen=True)
@@ -405,7 +419,7 @@ BAD = [
     ),
     Case(
         "network-host-without-allow",
-        {'host = "127.0.0.1"': 'host = "::"\napi_key_file = "$TMP/api.key"', NETWORK_ALLOW: "[network]\n"},
+        {'host = "127.0.0.1"': 'host = "::"\napi_key_file = "$KEYS/api.key"', NETWORK_ALLOW: "[network]\n"},
         "network.allow",
         "server.host :: listens beyond loopback but no client networks are allowed",
         "allow = [",
@@ -416,8 +430,97 @@ BAD = [
         {'host = "127.0.0.1"': 'host = "127.0.0.1"\napi_key_file = "$TMP/no-such.key"'},
         "server.api_key_file",
         "no-such.key does not exist",
-        "install -m 0640",
+        "install -m 0640 -o root -g llm-appliance /dev/null",
         "api_key_file",
+    ),
+    # --- the key files, as their readers read them: the server (as the service user) and Prometheus ---
+    Case(
+        "api-key-file-of-root-alone",
+        api_key("root-only.key"),
+        "server.api_key_file",
+        "its group is root, not llm-appliance. The server reads it as llm-appliance: it must be root:llm-appliance",
+        "chown root:llm-appliance",
+        "api_key_file",
+    ),
+    Case(
+        "api-key-file-world-readable",
+        api_key("world.key"),
+        "server.api_key_file",
+        "mode 0644 opens it to every user on this machine",
+        "chmod 0640",
+        "api_key_file",
+    ),
+    Case(
+        "api-key-file-group-writable",
+        api_key("group-writable.key"),
+        "server.api_key_file",
+        "mode 0660 lets llm-appliance rewrite the keys",
+        "chmod 0640",
+        "api_key_file",
+    ),
+    Case(
+        "api-key-file-in-a-closed-directory",
+        {LOOPBACK: f'{LOOPBACK}\napi_key_file = "$TMP/closed.key"'},
+        "server.api_key_file",
+        "llm-appliance cannot read",
+        "keep the key file in a directory llm-appliance may enter",
+        "api_key_file",
+    ),
+    Case(
+        "api-key-file-without-a-key",
+        api_key("empty.key"),
+        "server.api_key_file",
+        "holds no key (only empty lines and # comments): llama-server would ask no key of anyone",
+        "one key per line",
+        "api_key_file",
+    ),
+    Case(
+        "api-key-with-white-space",
+        api_key("spaced.key"),
+        "server.api_key_file",
+        "a key has leading or trailing white space",
+        "remove the white space",
+        "api_key_file",
+    ),
+    Case(
+        "several-keys-without-a-scrape-key",
+        api_key("two.keys"),
+        "prometheus.scrape_key_file",
+        "two.keys holds 2 keys, and the scrape job would send the whole file as one bearer token",
+        "set prometheus.scrape_key_file",
+        "[prometheus]",
+    ),
+    Case(
+        "scrape-key-not-one-of-the-keys",
+        scrape_key("two.keys", "stranger.key"),
+        "prometheus.scrape_key_file",
+        "is not one of the keys of server.api_key_file: llama-server would answer Prometheus 401",
+        "one line of server.api_key_file",
+        "scrape_key_file",
+    ),
+    Case(
+        "scrape-key-of-two-lines",
+        scrape_key("two.keys", "commented.key"),
+        "prometheus.scrape_key_file",
+        "holds more than one line: Prometheus sends the whole file as one bearer token",
+        "the one key alone",
+        "scrape_key_file",
+    ),
+    Case(
+        "scrape-key-world-readable",
+        scrape_key("two.keys", "scrape-world.key"),
+        "prometheus.scrape_key_file",
+        "mode 0644 gives the key to every user on this machine",
+        "chmod 0640",
+        "scrape_key_file",
+    ),
+    Case(
+        "scrape-key-without-an-api-key",
+        scrape_key(None, "scrape.key"),
+        "prometheus.scrape_key_file",
+        "is set, but server.api_key_file is not: llama-server asks no key",
+        "remove prometheus.scrape_key_file",
+        "scrape_key_file",
     ),
     Case(
         "quantized-v-without-flash-attn",
@@ -687,7 +790,7 @@ WARNINGS = [
 
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
-    """Broken model files and a key file."""
+    """Broken model files, and a key file in a directory the service user cannot enter."""
     directory = tmp_path_factory.mktemp("bad-files")
     (directory / "random.gguf").write_bytes(random.Random(1).randbytes(4096))
     with smollm2.open("rb") as whole:
@@ -697,17 +800,44 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
     (directory / "header.gguf").write_bytes(head[:30])
     (directory / "empty.gguf").write_bytes(b"")
     (directory / "model-dir").mkdir()
-    (directory / "api.key").write_text("secret\n")
+    (directory / "closed.key").write_text("secret\n")
+    os.chown(directory / "closed.key", 0, SERVICE.gid if SERVICE else 0)
+    (directory / "closed.key").chmod(0o640)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def key_files(key_file: KeyFile) -> Path:
+    """Key files, good and bad, in one directory the service user may enter."""
+    good = key_file("secret", name="api.key")
+    directory = good.parent
+    group = SERVICE.gid if SERVICE else 0
+    for name, text, mode, owner_group in (
+        ("two.keys", "k-one\nk-two\n", 0o640, group),
+        ("scrape.key", "k-two\n", 0o640, 0),
+        ("stranger.key", "k-three\n", 0o640, 0),
+        ("commented.key", "# the key Prometheus sends\nk-two\n", 0o640, 0),
+        ("scrape-world.key", "k-two\n", 0o644, 0),
+        ("root-only.key", "secret\n", 0o640, 0),
+        ("world.key", "secret\n", 0o644, group),
+        ("group-writable.key", "secret\n", 0o660, group),
+        ("empty.key", "# no key yet\n\n", 0o640, group),
+        ("spaced.key", "k-one \n", 0o640, group),
+    ):
+        (directory / name).write_text(text)
+        os.chown(directory / name, 0, owner_group)
+        (directory / name).chmod(mode)
     return directory
 
 
 def written(
-    case: Case, example: Callable[..., Path], tmp: Path, models: Path, smollm2: Path, gemma3: Path
+    case: Case, example: Callable[..., Path], tmp: Path, models: Path, smollm2: Path, gemma3: Path, keys: Path
 ) -> tuple[Path, str]:
     def fill(text: str) -> str:
         return (
             text.replace("$MODELS", str(models))
             .replace("$TMP", str(tmp))
+            .replace("$KEYS", str(keys))
             .replace("$SMOLLM2", str(smollm2))
             .replace("$GEMMA3", str(gemma3))
         )
@@ -770,11 +900,12 @@ def test_bad_spec_is_refused(
     case: Case,
     example: Callable[..., Path],
     bad_files: Path,
+    key_files: Path,
     fixture_models: Path,
     smollm2: Path,
     gemma3: Path,
 ) -> None:
-    spec, text = written(case, example, bad_files, fixture_models, smollm2, gemma3)
+    spec, text = written(case, example, bad_files, fixture_models, smollm2, gemma3, key_files)
     with pytest.raises(SpecInvalid) as caught:
         validate(spec, facts=facts_for(case))
     invalid = caught.value
@@ -790,11 +921,12 @@ def test_warning_leaves_the_spec_valid(
     case: Case,
     example: Callable[..., Path],
     bad_files: Path,
+    key_files: Path,
     fixture_models: Path,
     smollm2: Path,
     gemma3: Path,
 ) -> None:
-    spec, text = written(case, example, bad_files, fixture_models, smollm2, gemma3)
+    spec, text = written(case, example, bad_files, fixture_models, smollm2, gemma3, key_files)
     result = validate(spec, facts=facts_for(case))
     case = dataclasses.replace(case, severity=Severity.WARNING)
     warning = the_problem(result.warnings, case)
@@ -849,3 +981,28 @@ def test_over_budget_suggests_a_context_that_fits(example: Callable[..., Path]) 
             example("appliance.toml", replace={**f16, "ctx_size = 32768": f"ctx_size = {fitting + 256}"}),
             facts=facts,
         )
+
+
+def test_a_key_file_cannot_be_checked_before_the_service_user_exists(
+    example: Callable[..., Path], key_files: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import appliance.plan.secrets
+
+    monkeypatch.setattr(appliance.plan.secrets, "account", lambda: None)
+    spec = example("appliance.toml", replace={LOOPBACK: f'{LOOPBACK}\napi_key_file = "{key_files}/root-only.key"'})
+    result = validate(spec, facts=EXAMPLE_FACTS["appliance.toml"])
+    [warning] = result.warnings
+    assert (warning.field, warning.severity) == ("server.api_key_file", Severity.WARNING)
+    assert "cannot check that llm-appliance can read" in warning.message
+    assert "the user does not exist on this machine yet" in warning.message
+    assert warning.fix.startswith("install.sh creates it; then: chown root:llm-appliance ")
+
+
+def test_no_message_shows_a_key(example: Callable[..., Path], key_files: Path) -> None:
+    edits = scrape_key("two.keys", "stranger.key")
+    spec = example("appliance.toml", replace={k: v.replace("$KEYS", str(key_files)) for k, v in edits.items()})
+    with pytest.raises(SpecInvalid) as caught:
+        validate(spec, facts=EXAMPLE_FACTS["appliance.toml"])
+    said = str(caught.value)
+    assert "stranger.key" in said
+    assert not [key for key in ("k-one", "k-two", "k-three") if key in said]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE_FACTS, EXAMPLES, INSTALLED_MODELS
+from conftest import EXAMPLE_FACTS, EXAMPLES, INSTALLED_MODELS, KeyFile
 
 from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
@@ -295,10 +295,8 @@ def net(tmp_path_factory: pytest.TempPathFactory, service_user: str) -> Iterator
             _run([ip, "netns", "delete", ns])
 
 
-def _ruleset(directory: Path, fixture_models: Path, egress: str, allow: list[str]) -> str:
+def _ruleset(directory: Path, fixture_models: Path, egress: str, allow: list[str], keys: Path) -> str:
     """The real ruleset, rendered from demo.toml made network-facing for these networks."""
-    keys = directory / "api-keys"
-    keys.write_text("a-key\n")
     text = (EXAMPLES / "demo.toml").read_text().replace(INSTALLED_MODELS, str(fixture_models))
     for old, new in {
         'host = "127.0.0.1"': f'host = "0.0.0.0"\napi_key_file = "{keys}"',
@@ -314,11 +312,16 @@ def _ruleset(directory: Path, fixture_models: Path, egress: str, allow: list[str
 
 
 @pytest.fixture(scope="module")
-def rulesets(tmp_path_factory: pytest.TempPathFactory, fixture_models: Path, service_user: str) -> dict[str, str]:
+def rulesets(
+    tmp_path_factory: pytest.TempPathFactory, fixture_models: Path, service_user: str, key_file: KeyFile
+) -> dict[str, str]:
+    keys = key_file("a-key")
     return {
-        "deny": _ruleset(tmp_path_factory.mktemp("deny"), fixture_models, "deny", ALLOW),
-        "allow": _ruleset(tmp_path_factory.mktemp("allow"), fixture_models, "allow", ALLOW),
-        "deny-no-loopback": _ruleset(tmp_path_factory.mktemp("no-loopback"), fixture_models, "deny", ALLOW_NO_LOOPBACK),
+        "deny": _ruleset(tmp_path_factory.mktemp("deny"), fixture_models, "deny", ALLOW, keys),
+        "allow": _ruleset(tmp_path_factory.mktemp("allow"), fixture_models, "allow", ALLOW, keys),
+        "deny-no-loopback": _ruleset(
+            tmp_path_factory.mktemp("no-loopback"), fixture_models, "deny", ALLOW_NO_LOOPBACK, keys
+        ),
     }
 
 

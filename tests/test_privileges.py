@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, INSTALLED_MODELS
+from conftest import EXAMPLES, INSTALLED_MODELS, KeyFile
 from test_health_daemon import server_pids, wait_ready
 from test_launch import free_port
 
@@ -51,34 +51,26 @@ def reachable_directory() -> Path:
     return directory
 
 
-def key_file(directory: Path, *keys: str) -> Path:
-    assert SERVICE is not None
-    path = directory / "api-keys"
-    path.write_text("".join(f"{k}\n" for k in keys))
-    os.chown(path, 0, SERVICE.gid)
-    path.chmod(0o640)
-    return path
-
-
-def demo_spec(directory: Path, model: Path, keys: Path) -> Path:
+def demo_spec(directory: Path, model: Path, keys: Path, scrape_key: Path) -> Path:
     text = (EXAMPLES / "demo.toml").read_text().replace(f"{INSTALLED_MODELS}/{SMOLLM2}", str(model))
     text = text.replace("port = 8080", f"port = {free_port()}").replace("port = 9478", f"port = {free_port()}")
     text = text.replace('host = "127.0.0.1"', f'host = "127.0.0.1"\napi_key_file = "{keys}"')
+    text = text.replace("[prometheus]\n", f'[prometheus]\nscrape_key_file = "{scrape_key}"\n')
     spec = directory / "demo.toml"
     spec.write_text(text)
     return spec
 
 
 @pytest.fixture(scope="module")
-def up_as_root(smollm2: Path) -> Iterator[Running]:
+def up_as_root(smollm2: Path, key_file: KeyFile) -> Iterator[Running]:
     assert SERVICE is not None
     directory = reachable_directory()
     model = smollm2
     if reading(model, SERVICE):
         model = directory / SMOLLM2
         shutil.copy(smollm2, model)
-    keys = key_file(directory, KEY, OTHER_KEY)
-    spec = demo_spec(directory, model, keys)
+    keys = key_file(KEY, OTHER_KEY)
+    spec = demo_spec(directory, model, keys, key_file(OTHER_KEY, name="scrape-key", group=0))
     process = subprocess.Popen(
         [sys.executable, "-m", "appliance.cli.main", "up", str(spec), "--state-dir", str(directory / "state")],
         stdout=subprocess.PIPE,
@@ -146,7 +138,7 @@ def test_the_api_key_reaches_no_command_line_environment_log_or_written_file(
             continue
         for name in ("cmdline", "environ"):
             try:
-                if KEY.encode() in (proc / name).read_bytes():
+                if any(key.encode() in (proc / name).read_bytes() for key in (KEY, OTHER_KEY)):
                     leaks.append(f"{proc}/{name}")
             except OSError:
                 pass  # gone, or a kernel thread
@@ -158,7 +150,7 @@ def test_the_api_key_reaches_no_command_line_environment_log_or_written_file(
         p for p in [*(tmp_path / "root").rglob("*"), *(up_as_root.directory / "state").rglob("*")] if p.is_file()
     ]
     assert any(p.name == "appliance.json" for p in written)
-    assert [p for p in written if KEY.encode() in p.read_bytes()] == []
+    assert [p for p in written if KEY.encode() in p.read_bytes() or OTHER_KEY.encode() in p.read_bytes()] == []
 
 
 def test_up_refuses_without_the_service_user(

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import UpProcess
+from conftest import KeyFile, UpProcess
 from test_health_daemon import server_pids, wait_ready, wait_until
 from test_launch import free_port
 
@@ -269,3 +269,56 @@ def test_alerts_fire_and_resolve_in_a_real_prometheus(
         assert up.poll() is None
     finally:
         prometheus.stop()
+
+
+def test_a_server_of_several_keys_is_scraped_with_the_scrape_key_not_the_whole_key_file(
+    example: Callable[..., Path], key_file: KeyFile, tmp_path: Path
+) -> None:
+    """llama-server takes one key per line; Prometheus sends a credentials file whole, as one bearer token.
+    The rendered job sends prometheus.scrape_key_file and is answered; the job as rendered before (the whole
+    key file of two keys) is not, and LlmApplianceServerDown would fire on a healthy server."""
+    keys = key_file("sk-clients-1f2e", "sk-prometheus-9c8b")
+    scrape_key = key_file("sk-prometheus-9c8b", name="scrape-key", group=0)  # Prometheus runs as root here
+    server_port, exporter_port = free_port(), free_port()
+    spec = fast_spec(example, server_port, exporter_port)
+    spec.write_text(
+        spec.read_text()
+        .replace("[server]\n", f'[server]\napi_key_file = "{keys}"\n')
+        .replace("[prometheus]\n", f'[prometheus]\nscrape_key_file = "{scrape_key}"\n')
+    )
+    config = prometheus_config(spec, tmp_path / "prometheus")
+    rendered = config.read_text()
+    assert f"credentials_file: {scrape_key}" in rendered
+    before = rendered.split("  - job_name: llm-appliance-llama-server\n")[1]
+    before = "  - job_name: as-rendered-before\n" + before.replace(str(scrape_key), str(keys))
+    config.write_text(rendered + before)
+    appliance = resolve(validate(spec).plan, spec)
+    server = subprocess.Popen(appliance.argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    prometheus = Prometheus(config, tmp_path / "prometheus")
+    try:
+        api = ServerApi(f"http://127.0.0.1:{server_port}", timeout=2)
+        wait_until(lambda: healthy(api), 120, "llama-server to load")
+        for key in ("sk-clients-1f2e", "sk-prometheus-9c8b"):
+            assert ServerApi(api.base_url, key, timeout=5).metrics(), key  # each line is a key of its own
+        with pytest.raises(ServerUnreachable, match="answered 401"):
+            ServerApi(api.base_url, "sk-clients-1f2e sk-prometheus-9c8b", timeout=5).metrics()
+        wait_until(prometheus.ready, 60, "prometheus to be ready")
+
+        def scraped() -> dict[str, float]:
+            return {r["metric"]["job"]: float(r["value"][1]) for r in prometheus.query('up{appliance="demo"}')}
+
+        def errors() -> dict[str, str]:
+            return {t["labels"]["job"]: t["lastError"] for t in prometheus.get("/api/v1/targets")["activeTargets"]}
+
+        wait_until(
+            lambda: scraped().get("llm-appliance-llama-server") == 1.0 and "as-rendered-before" in scraped(),
+            TARGETS_SECONDS + ALERT_SECONDS,
+            lambda: f"the rendered job to scrape llama-server: {errors()}",
+        )
+        assert scraped()["as-rendered-before"] == 0.0  # the bug: a healthy server reads as down
+        # Go refuses to send the two lines as one header: the scrape fails before it reaches the server.
+        assert 'invalid header field value for "Authorization"' in errors()["as-rendered-before"]
+    finally:
+        prometheus.stop()
+        server.terminate()
+        server.wait(30)

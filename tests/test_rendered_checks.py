@@ -10,12 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE_FACTS
+from conftest import EXAMPLE_FACTS, KeyFile
 
 from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
 from appliance.render.apply import installed_spec_path
 from appliance.render.render import render
+from appliance.spec.load import load_spec
 from appliance.system import paths
 
 pytestmark = pytest.mark.system
@@ -188,9 +189,8 @@ def _set_elements(ruleset: str, name: str) -> list[str]:
 
 
 @pytest.fixture
-def lan_spec(example: Callable[..., Path], tmp_path: Path) -> Callable[..., Path]:
-    keys = tmp_path / "api-keys"
-    keys.write_text("a-key\n")
+def lan_spec(example: Callable[..., Path], key_file: KeyFile) -> Callable[..., Path]:
+    keys = key_file("a-key")
 
     def make(host: str = "0.0.0.0", **extra: str) -> Path:
         return example(
@@ -263,10 +263,11 @@ def test_lan_ruleset_loads_and_reads_back(lan_spec: Callable[..., Path], service
 
 
 def test_lan_spec_scrape_uses_the_api_key(lan_spec: Callable[..., Path], tmp_path: Path) -> None:
-    files = _render(lan_spec(), "demo.toml")
+    spec = lan_spec()
+    files = _render(spec, "demo.toml")
     root = _write(files, tmp_path / "root")
     scrape = files[SCRAPE]
-    assert f"credentials_file: {tmp_path / 'api-keys'}" in scrape
+    assert f"credentials_file: {load_spec(spec).spec.server.api_key_file}" in scrape
     # 0.0.0.0 is scraped over loopback.
     assert '"127.0.0.1:8080"' in scrape
     result = _run([_tool("promtool"), "check", "config", str(_prometheus_config(root))])

@@ -74,6 +74,7 @@ class Appliance:
     server: Endpoint
     exporter: Endpoint
     api_key_file: Path | None
+    scrape_key_file: Path | None  # what the llama-server scrape job sends as its bearer token
     draft_in_use: bool
     on_gpu: bool  # the target model is offloaded to a GPU
     server_devices: tuple[str, ...]  # every GPU the server uses (target and draft)
@@ -119,6 +120,7 @@ class Appliance:
                 "server": {"host": self.server.host, "port": self.server.port},
                 "exporter": {"host": self.exporter.host, "port": self.exporter.port},
                 "api_key_file": str(self.api_key_file) if self.api_key_file else None,
+                "scrape_key_file": str(self.scrape_key_file) if self.scrape_key_file else None,
                 "draft_in_use": self.draft_in_use,
                 "on_gpu": self.on_gpu,
                 "server_devices": list(self.server_devices),
@@ -137,7 +139,7 @@ class Appliance:
         if document.get("snapshot_version") != SNAPSHOT_VERSION:
             raise ValueError(f"snapshot version {document.get('snapshot_version')!r}, expected {SNAPSHOT_VERSION}")
         r = document["resolved"]
-        key = r["api_key_file"]
+        key, scrape_key = r["api_key_file"], r.get("scrape_key_file")
         return cls(
             spec=Spec.model_validate(document["spec"], strict=False),
             spec_file=Path(document["spec_file"]),
@@ -146,6 +148,7 @@ class Appliance:
             server=Endpoint(str(r["server"]["host"]), int(r["server"]["port"])),
             exporter=Endpoint(str(r["exporter"]["host"]), int(r["exporter"]["port"])),
             api_key_file=Path(key) if key else None,
+            scrape_key_file=Path(scrape_key) if scrape_key else None,
             draft_in_use=bool(r["draft_in_use"]),
             on_gpu=bool(r["on_gpu"]),
             server_devices=tuple(str(d) for d in r["server_devices"]),
@@ -186,6 +189,8 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
         server=Endpoint(spec.server.host, spec.server.port),
         exporter=Endpoint(spec.prometheus.host, spec.prometheus.port),
         api_key_file=spec.server.api_key_file,
+        # validate refuses a key file of several keys without a scrape key of its own
+        scrape_key_file=spec.prometheus.scrape_key_file or spec.server.api_key_file,
         draft_in_use=plan.speculation,
         on_gpu=bool(gpu_devices(spec.models.target)),
         server_devices=devices,

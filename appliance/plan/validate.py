@@ -13,6 +13,7 @@ from appliance.facts.gguf import GGUFError, ModelInfo, read_model
 from appliance.facts.machine import MachineFacts, gather
 from appliance.facts.vocab import Vocab, VocabUnavailable, incompatibilities, read_vocab
 from appliance.plan.plan import Plan, plan
+from appliance.plan.secrets import key_problems
 from appliance.spec.checks import spec_problems
 from appliance.spec.load import LoadedSpec, load_spec
 from appliance.spec.problems import Problem, Severity, SpecInvalid, error, warning
@@ -35,7 +36,7 @@ def validate(path: Path, facts: MachineFacts | None = None, vocab_reader: VocabR
     """Everything `validate` checks; raises SpecInvalid (errors and warnings, located) on any error."""
     loaded = load_spec(path)
     spec = loaded.spec
-    found = spec_problems(loaded)
+    found = spec_problems(loaded) + key_problems(spec)
     facts = facts or gather(spec)
     if facts.dialect_note:
         found.append(

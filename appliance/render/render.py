@@ -32,7 +32,7 @@ class View:
     nft_table: str
     server: Endpoint
     exporter: Endpoint
-    api_key_file: str | None
+    scrape_key_file: str | None
     on_gpu_devices: bool  # the server uses a GPU: device nodes open, NVML read, GPU alerts
     server_device_nodes: tuple[str, ...]
     health_device_nodes: tuple[str, ...]
@@ -82,7 +82,7 @@ def view(appliance: Appliance) -> View:
         nft_table=paths.NFT_TABLE,
         server=appliance.server,
         exporter=appliance.exporter,
-        api_key_file=str(appliance.api_key_file) if appliance.api_key_file else None,
+        scrape_key_file=str(appliance.scrape_key_file) if appliance.scrape_key_file else None,
         on_gpu_devices=bool(appliance.server_devices),
         server_device_nodes=appliance.server_device_nodes,
         health_device_nodes=appliance.health_device_nodes,

@@ -11,19 +11,19 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.facts.keys import read_keys
+
 
 class ServerUnreachable(Exception):
     """No usable answer: refused, timed out, or not the expected shape."""
 
 
 def read_api_key(path: Path | None) -> str | None:
-    """The first key of an --api-key-file (one per line, # comments skipped), as llama-server reads it."""
+    """The first key of an --api-key-file, as llama-server reads it."""
     if path is None:
         return None
-    for line in path.read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            return line.strip()
-    return None
+    keys = read_keys(path)
+    return keys[0] if keys else None
 
 
 @dataclass(frozen=True)

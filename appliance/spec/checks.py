@@ -56,7 +56,7 @@ def _exposure_problems(loaded: LoadedSpec) -> list[Problem]:
             error(
                 "server.api_key_file",
                 f"server.host {server.host} is reachable from the network but no API key is set",
-                'set api_key_file to a root-owned file with one key per line (mode 0640), or host = "127.0.0.1"',
+                'set api_key_file to a file with one key per line (root:llm-appliance, mode 0640), or host = "127.0.0.1"',
             )
         )
     if not server.host_is_loopback and not loaded.key_lines.has("network.allow"):
@@ -67,12 +67,12 @@ def _exposure_problems(loaded: LoadedSpec) -> list[Problem]:
                 'list the client networks, e.g. allow = ["127.0.0.0/8", "192.168.1.0/24"]',
             )
         )
-    if server.api_key_file is not None and not server.api_key_file.is_file():
+    if loaded.spec.prometheus.scrape_key_file is not None and server.api_key_file is None:
         found.append(
             error(
-                "server.api_key_file",
-                f"{server.api_key_file} does not exist",
-                f"create it: install -m 0640 /dev/null {server.api_key_file} and write one key per line",
+                "prometheus.scrape_key_file",
+                "is set, but server.api_key_file is not: llama-server asks no key",
+                "remove prometheus.scrape_key_file, or set server.api_key_file",
             )
         )
     return found

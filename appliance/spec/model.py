@@ -254,6 +254,9 @@ class Prometheus(Strict):
     port: Annotated[int, Field(ge=1, le=65535)] = 9478
     labels: dict[str, str] = {}
     scrape_interval_seconds: Annotated[int, Field(ge=1, le=3600)] = 15
+    # The one key the llama-server scrape job sends (one line of server.api_key_file): Prometheus sends a
+    # credentials file whole, as one bearer token. Required when server.api_key_file holds several keys.
+    scrape_key_file: FilePath | None = None
     alert_for_seconds: AlertForSeconds = AlertForSeconds()
 
     @field_validator("labels")

@@ -1,0 +1,182 @@
+"""The API key files, checked as their readers will read them, not as root (who runs validate) reads them:
+llama-server and the health daemon read server.api_key_file as the service user; Prometheus sends
+prometheus.scrape_key_file (else server.api_key_file) as one bearer token. No message shows a key.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import stat
+from pathlib import Path
+
+from appliance.facts.keys import bearer_token, parse_keys
+from appliance.spec.model import Spec
+from appliance.spec.problems import Problem, error, warning
+from appliance.system import paths
+from appliance.system.users import account, reading
+
+API_KEY = "server.api_key_file"
+SCRAPE_KEY = "prometheus.scrape_key_file"
+USER = paths.SERVICE_USER
+
+
+def key_problems(spec: Spec) -> list[Problem]:
+    found: list[Problem] = []
+    api, keys = spec.server.api_key_file, None
+    if api is not None:
+        text = _read(API_KEY, api, f"install -m 0640 -o root -g {USER} /dev/null {api}; write one key per line", found)
+        if text is not None:
+            keys = parse_keys(text)
+            found += _api_key_content(api, keys) + _service_user_reads(api)
+    scrape = spec.prometheus.scrape_key_file
+    if scrape is not None:
+        found += _scrape_key(scrape, keys)
+    elif keys is not None and len(keys) > 1:
+        found.append(
+            error(
+                SCRAPE_KEY,
+                f"{api} holds {len(keys)} keys, and the scrape job would send the whole file as one bearer token: "
+                "llama-server answers 401 and LlmApplianceServerDown fires",
+                "put the one key Prometheus uses in a file of its own and set prometheus.scrape_key_file to it",
+            )
+        )
+    return found
+
+
+def _read(field: str, path: Path, create: str, found: list[Problem]) -> str | None:
+    if not path.exists():
+        found.append(error(field, f"{path} does not exist", f"create it: {create}"))
+    elif not path.is_file():
+        found.append(error(field, f"{path} is not a file", f"point it at a file: {create}"))
+    else:
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+            found.append(error(field, f"{path} cannot be read: {reason}", f"create it anew: {create}"))
+    return None
+
+
+def _api_key_content(path: Path, keys: list[str]) -> list[Problem]:
+    if not keys:
+        return [
+            error(
+                API_KEY,
+                f"{path} holds no key (only empty lines and # comments): llama-server would ask no key of anyone",
+                "write one key per line",
+            )
+        ]
+    if any(key != key.strip() for key in keys):
+        return [
+            error(
+                API_KEY,
+                f"{path}: a key has leading or trailing white space (or a Windows line end); llama-server compares "
+                "the line as written, while clients and Prometheus send keys trimmed, and get 401",
+                "remove the white space around the keys; end each line with \\n alone",
+            )
+        ]
+    return []
+
+
+def _service_user_reads(path: Path) -> list[Problem]:
+    """root:llm-appliance, 0640 or 0440: the server reads it, no other user does, and it cannot rewrite it."""
+    who = account()
+    if who is None:
+        return [
+            warning(
+                API_KEY,
+                f"cannot check that {USER} can read {path}: the user does not exist on this machine yet",
+                f"install.sh creates it; then: chown root:{USER} {path} && chmod 0640 {path}",
+            )
+        ]
+    status = os.stat(path)
+    mode = stat.S_IMODE(status.st_mode)
+    wrong = []
+    if status.st_uid != 0:
+        wrong.append(f"it belongs to {_user(status.st_uid)}, not root")
+    if status.st_gid != who.gid:
+        wrong.append(f"its group is {_group(status.st_gid)}, not {who.group_name}")
+    if mode & 0o007:
+        wrong.append(f"mode {mode:04o} opens it to every user on this machine")
+    if mode & 0o020:
+        wrong.append(f"mode {mode:04o} lets {USER} rewrite the keys")
+    if not mode & 0o040:
+        wrong.append(f"mode {mode:04o} does not let the group read it")
+    if wrong:
+        return [
+            error(
+                API_KEY,
+                f"{path}: {'; '.join(wrong)}. The server reads it as {USER}: it must be root:{who.group_name}, "
+                "mode 0640 or 0440",
+                f"chown root:{who.group_name} {path} && chmod 0640 {path} "
+                f"(a new one: install -m 0640 -o root -g {who.group_name} /dev/null {path})",
+            )
+        ]
+    unreachable = reading(path, who)
+    if unreachable:
+        return [
+            error(
+                API_KEY,
+                f"{USER} cannot read {path}: {unreachable}",
+                f"keep the key file in a directory {USER} may enter, e.g. {paths.ETC}",
+            )
+        ]
+    return []
+
+
+def _scrape_key(path: Path, keys: list[str] | None) -> list[Problem]:
+    found: list[Problem] = []
+    text = _read(
+        SCRAPE_KEY,
+        path,
+        f"install -m 0640 -o root -g prometheus /dev/null {path} (the group Prometheus runs as); "
+        f"write into it one of the keys of {API_KEY}",
+        found,
+    )
+    if text is None:
+        return found
+    token = bearer_token(text)
+    if not token:
+        found.append(error(SCRAPE_KEY, f"{path} holds no key", f"write into it one of the keys of {API_KEY}"))
+    elif "\n" in token or "\r" in token:
+        found.append(
+            error(
+                SCRAPE_KEY,
+                f"{path} holds more than one line: Prometheus sends the whole file as one bearer token",
+                "write the one key alone, on one line, without comments",
+            )
+        )
+    elif keys is not None and token not in keys:
+        found.append(
+            error(
+                SCRAPE_KEY,
+                f"the key in {path} is not one of the keys of {API_KEY}: llama-server would answer Prometheus 401",
+                f"write into it one line of {API_KEY}",
+            )
+        )
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o007:
+        found.append(
+            error(
+                SCRAPE_KEY,
+                f"{path}: mode {mode:04o} gives the key to every user on this machine",
+                f"chown root:prometheus {path} && chmod 0640 {path} (the group Prometheus runs as)",
+            )
+        )
+    return found
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _group(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return f"gid {gid}"
