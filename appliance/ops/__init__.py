@@ -1,1 +1,2 @@
-"""Floor 6, provisioning: install/uninstall, the engine build, the demo models. Imports the floors below."""
+"""Floor 6, provisioning: install/uninstall, who owns what under /var/lib/llm-appliance (layout), the engine
+build, the demo models. Imports the floors below."""
