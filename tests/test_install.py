@@ -208,6 +208,10 @@ def test_the_layout_before_is_taken_back_from_the_service_user(tmp_path: Path) -
     (lib / "stash").mkdir()
     (lib / "stash" / "link").symlink_to(canary)
     _owned(lib / "stash")
+    cron = tmp_path / "etc-cron.d"
+    cron.mkdir()
+    (lib / "state").symlink_to(cron)  # where root would move the restart history
+    _owned(lib / "state")
 
     layout.ensure(tmp_path, SERVICE, said.append)
 
@@ -220,6 +224,8 @@ def test_the_layout_before_is_taken_back_from_the_service_user(tmp_path: Path) -
     assert (state.stat().st_uid, stat.S_IMODE(state.stat().st_mode)) == (SERVICE.uid, 0o700)
     assert json.loads((state / "health-state.json").read_text())["totals"] == {"decay": 2}
     assert canary.read_text() == "root's\n"
+    assert list(cron.iterdir()) == []
+    assert not state.is_symlink()
     assert exposure(lib, SERVICE) is None and exposure(models, SERVICE) is None
     assert f"took {lib} back from llm-appliance" in said
     said.clear()

@@ -68,6 +68,10 @@ def take_back(lib: Path, models: Path, state: Path, who: Account, say: Say) -> N
     if exposure(lib.parent, who):
         raise LayoutError(f"{lib.parent} is writable by {who.name}: the appliance's directories cannot be made safe")
     _own_directory(lib, who, say)
+    if state.is_symlink() or (state.exists() and not state.is_dir()):
+        # Before anything moves into it: lib is root's now, so the name cannot be swapped again.
+        state.unlink()
+        say(f"removed {state}: not a directory (a link the service user could have planted)")
     for entry in sorted(os.scandir(lib), key=lambda e: e.name):
         path = Path(entry.path)
         found = entry.stat(follow_symlinks=False)
