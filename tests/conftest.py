@@ -159,6 +159,20 @@ def key_file() -> Iterator[KeyFile]:
     shutil.rmtree(top, ignore_errors=True)
 
 
+def start_up(spec: Path, *options: str | Path) -> tuple[subprocess.Popen[str], list[str]]:
+    """`llm-appliance up SPEC OPTIONS` in the background; its output lines collect in the list as they come."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "appliance.cli.main", "up", str(spec), *map(str, options)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    output: list[str] = []
+    threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+    return process, output
+
+
 UpProcess = Callable[[Path], tuple[subprocess.Popen[str], list[str]]]
 
 
@@ -172,26 +186,7 @@ def appliance_up(tmp_path: Path) -> Iterator[UpProcess]:
     started: list[subprocess.Popen[str]] = []
 
     def start(spec: Path) -> tuple[subprocess.Popen[str], list[str]]:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "appliance.cli.main",
-                "up",
-                str(spec),
-                "--state-dir",
-                str(tmp_path / "state"),
-                "--stop-timeout",
-                "5",
-                "--as-current-user",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        output: list[str] = []
-        threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+        process, output = start_up(spec, "--state-dir", tmp_path / "state", "--stop-timeout", "5", "--as-current-user")
         started.append(process)
         return process, output
 

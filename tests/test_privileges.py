@@ -9,15 +9,13 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, INSTALLED_MODELS, KeyFile
+from conftest import EXAMPLES, INSTALLED_MODELS, KeyFile, start_up
 from test_health_daemon import server_pids, wait_ready
 from test_launch import free_port
 
@@ -71,15 +69,7 @@ def up_as_root(smollm2: Path, key_file: KeyFile) -> Iterator[Running]:
         shutil.copy(smollm2, model)
     keys = key_file(KEY, OTHER_KEY)
     spec = demo_spec(directory, model, keys, key_file(OTHER_KEY, name="scrape-key", group=0))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "appliance.cli.main", "up", str(spec), "--state-dir", str(directory / "state")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    output: list[str] = []
-    threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+    process, output = start_up(spec, "--state-dir", directory / "state")
     try:
         wait_ready(process, output, 1)
         yield Running(process, output, spec, directory, keys)
