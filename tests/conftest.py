@@ -68,9 +68,11 @@ def gemma3() -> Path:
 
 
 @pytest.fixture(scope="session")
-def fixture_models(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
-    """A directory holding the demo's real model and the 27B/0.6B-shaped fixtures, as the examples name them."""
-    directory = tmp_path_factory.mktemp("models")
+def fixture_models(outside_tmp: Path, smollm2: Path) -> Path:
+    """A directory holding the demo's real model and the 27B/0.6B-shaped fixtures, as the examples name them;
+    not in /tmp, which validate warns of (emptied at boot)."""
+    directory = outside_tmp / "models"
+    directory.mkdir(mode=0o755)
     write_model(directory / "target-27b-Q4_K_M.gguf", TARGET_27B, smollm2)
     write_model(directory / "draft-0.6b-Q4_K_M.gguf", DRAFT_06B, smollm2)
     (directory / SMOLLM2).symlink_to(smollm2)
@@ -139,7 +141,7 @@ def key_file() -> Iterator[KeyFile]:
     """API key files as README says to make them: root:llm-appliance, mode 0640, one key per line, each in a
     fresh directory the service user may enter (pytest's own are 0700): validate checks them as the server
     will read them. `mode` and `group` (a gid) make wrong ones; `text` writes the file as given."""
-    top = Path(tempfile.mkdtemp(prefix="llm-appliance-keys-", dir="/tmp"))
+    top = Path(tempfile.mkdtemp(prefix="llm-appliance-keys-", dir="/var/lib"))
     top.chmod(0o755)
     service = account()
 
@@ -156,6 +158,25 @@ def key_file() -> Iterator[KeyFile]:
         return path
 
     yield make
+    shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def outside_tmp() -> Iterator[Path]:
+    """A directory in neither /tmp nor a home: the units' sandbox binds nothing from here, so the service
+    user's own way to a file (every directory on the way) is what counts."""
+    top = Path(tempfile.mkdtemp(prefix="llm-appliance-test-", dir="/var/lib"))
+    top.chmod(0o755)
+    yield top
+    shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def home_dir() -> Iterator[Path]:
+    """A directory in /home, which the units hide (ProtectHome=) and bind files back from."""
+    top = Path(tempfile.mkdtemp(prefix="llm-appliance-test-", dir="/home"))
+    top.chmod(0o700)  # as adduser makes a home on Debian 12: the units reach a bound file anyway
+    yield top
     shutil.rmtree(top, ignore_errors=True)
 
 

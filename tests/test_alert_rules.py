@@ -520,6 +520,6 @@ def test_with_an_api_key_server_down_asks_whether_prometheus_can_read_it(
     rules_file = render_example(tmp_path, fixture_models, {"[server]\n": f'[server]\napi_key_file = "{keys}"\n'})
     description = parse_rules(rules_file.read_text())["LlmApplianceServerDown"].annotations["description"]
     assert f"can Prometheus read {keys}, and is its key one of the server's?" in description
-    assert f"credentials_file: {keys}" in (tmp_path / SCRAPE).read_text()
+    assert f'credentials_file: "{keys}"' in (tmp_path / SCRAPE).read_text()
     check = subprocess.run([promtool(), "check", "rules", str(rules_file)], capture_output=True, text=True, check=False)
     assert check.returncode == 0, check.stdout + check.stderr

@@ -1,7 +1,9 @@
 """Bad specs, each a small edit of a shipped example: the error names the field, the file and its line.
 
 Placeholders in a case's edits: $MODELS (the fixture models directory the example points at), $TMP (this
-test's directory, holding the broken model files of `bad_files`), $KEYS (a directory the service user may
+test's directory, holding the broken model files of `bad_files`), $OUTSIDE (a directory outside /tmp and
+the homes, where the units bind nothing) with $CLOSED in it (a directory only root may enter), $HOME_DIR (a
+directory in /home, which the units hide), $KEYS (a directory the service user may
 enter, holding the key files of `bad_files`), $SMOLLM2 and $GEMMA3 (the real models).
 """
 
@@ -11,6 +13,7 @@ import dataclasses
 import os
 import random
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -392,6 +395,58 @@ BAD = [
         "one systemd OnCalendar expression",
         at="schedule",
     ),
+    Case(
+        "schedule-systemd-cannot-read",
+        {'schedule = "*-*-* 04:00:00"': 'schedule = "whenever it suits"'},
+        "restart.schedule",
+        "systemd cannot read 'whenever it suits' as a calendar: Failed to parse calendar specification",
+        "systemd-analyze calendar",
+        at="schedule",
+    ),
+    Case(
+        "schedule-with-a-specifier",
+        {'schedule = "*-*-* 04:00:00"': 'schedule = "*-*-* %H:00"'},
+        "restart.schedule",
+        "one systemd OnCalendar expression",
+        at="schedule",
+    ),
+    Case(
+        "schedule-with-a-line-separator",
+        {'schedule = "*-*-* 04:00:00"': 'schedule = "daily\u2028[Service]"'},
+        "restart.schedule",
+        "holds \\u2028",
+        at="schedule",
+    ),
+    Case(
+        "version-pin-with-a-newline",
+        {"[versions]\n": '[versions]\nllama_cpp = "b1234\\nExecStartPre=/bin/sh"\n'},
+        "versions.llama_cpp",
+        "holds \\n",
+        at="llama_cpp",
+    ),
+    Case(
+        "exporter-host-a-name",
+        {PROMETHEUS: f'{PROMETHEUS}host = "metrics.example"\n'},
+        "prometheus.host",
+        "'metrics.example' is not an IP address",
+        at='host = "metrics',
+    ),
+    Case(
+        "model-the-service-user-cannot-read",
+        {TARGET_PATH: 'path = "$OUTSIDE/private/target.gguf"'},
+        "models.target.path",
+        "llm-appliance, the user the units run as, cannot read",
+        "usermod -aG GROUP llm-appliance",
+        at="private/target.gguf",
+    ),
+    Case(
+        "model-under-a-home-with-a-colon",
+        {TARGET_PATH: 'path = "$HOME_DIR/a:b.gguf"'},
+        "models.target.path",
+        "which systemd cannot bind back into them (BindReadOnlyPaths=)",
+        "rename it without :",
+        at="a:b.gguf",
+    ),
     # --- checks across fields ---
     Case(
         "n-min-above-n-max",
@@ -460,7 +515,7 @@ BAD = [
     ),
     Case(
         "api-key-file-in-a-closed-directory",
-        {LOOPBACK: f'{LOOPBACK}\napi_key_file = "$TMP/closed.key"'},
+        {LOOPBACK: f'{LOOPBACK}\napi_key_file = "$CLOSED/closed.key"'},
         "server.api_key_file",
         "llm-appliance cannot read",
         "keep the key file in a directory llm-appliance may enter",
@@ -789,9 +844,19 @@ WARNINGS = [
 
 
 @pytest.fixture(scope="module")
-def bad_files(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
-    """Broken model files, and a key file in a directory the service user cannot enter."""
+def bad_files(
+    tmp_path_factory: pytest.TempPathFactory, smollm2: Path, outside_tmp: Path, home_dir: Path, fixture_models: Path
+) -> Path:
+    """Broken model files; in $CLOSED a key file in a directory the service user cannot enter, in $OUTSIDE a
+    model only root may read, in $HOME_DIR one whose name systemd cannot bind."""
     directory = tmp_path_factory.mktemp("bad-files")
+    closed = outside_tmp / "closed"
+    closed.mkdir(mode=0o700, exist_ok=True)
+    private = outside_tmp / "private"
+    private.mkdir(mode=0o755, exist_ok=True)
+    shutil.copy(fixture_models / "target-27b-Q4_K_M.gguf", private / "target.gguf")
+    (private / "target.gguf").chmod(0o600)
+    shutil.copy(fixture_models / "target-27b-Q4_K_M.gguf", home_dir / "a:b.gguf")
     (directory / "random.gguf").write_bytes(random.Random(1).randbytes(4096))
     with smollm2.open("rb") as whole:
         head = whole.read(3 << 20)  # SmolLM2's whole header (vocabulary included) and the first tensors
@@ -800,9 +865,9 @@ def bad_files(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
     (directory / "header.gguf").write_bytes(head[:30])
     (directory / "empty.gguf").write_bytes(b"")
     (directory / "model-dir").mkdir()
-    (directory / "closed.key").write_text("secret\n")
-    os.chown(directory / "closed.key", 0, SERVICE.gid if SERVICE else 0)
-    (directory / "closed.key").chmod(0o640)
+    (closed / "closed.key").write_text("secret\n")
+    os.chown(closed / "closed.key", 0, SERVICE.gid if SERVICE else 0)
+    (closed / "closed.key").chmod(0o640)
     return directory
 
 
@@ -831,12 +896,22 @@ def key_files(key_file: KeyFile) -> Path:
 
 
 def written(
-    case: Case, example: Callable[..., Path], tmp: Path, models: Path, smollm2: Path, gemma3: Path, keys: Path
+    case: Case,
+    example: Callable[..., Path],
+    tmp: Path,
+    models: Path,
+    smollm2: Path,
+    gemma3: Path,
+    keys: Path,
+    places: dict[str, Path],
 ) -> tuple[Path, str]:
     def fill(text: str) -> str:
         return (
             text.replace("$MODELS", str(models))
             .replace("$TMP", str(tmp))
+            .replace("$CLOSED", str(places["$OUTSIDE"] / "closed"))
+            .replace("$OUTSIDE", str(places["$OUTSIDE"]))
+            .replace("$HOME_DIR", str(places["$HOME_DIR"]))
             .replace("$KEYS", str(keys))
             .replace("$SMOLLM2", str(smollm2))
             .replace("$GEMMA3", str(gemma3))
@@ -904,8 +979,10 @@ def test_bad_spec_is_refused(
     fixture_models: Path,
     smollm2: Path,
     gemma3: Path,
+    outside_tmp: Path,
+    home_dir: Path,
 ) -> None:
-    spec, text = written(case, example, bad_files, fixture_models, smollm2, gemma3, key_files)
+    spec, text = written(case, example, bad_files, fixture_models, smollm2, gemma3, key_files, {"$OUTSIDE": outside_tmp, "$HOME_DIR": home_dir})
     with pytest.raises(SpecInvalid) as caught:
         validate(spec, facts=facts_for(case))
     invalid = caught.value
@@ -925,8 +1002,10 @@ def test_warning_leaves_the_spec_valid(
     fixture_models: Path,
     smollm2: Path,
     gemma3: Path,
+    outside_tmp: Path,
+    home_dir: Path,
 ) -> None:
-    spec, text = written(case, example, bad_files, fixture_models, smollm2, gemma3, key_files)
+    spec, text = written(case, example, bad_files, fixture_models, smollm2, gemma3, key_files, {"$OUTSIDE": outside_tmp, "$HOME_DIR": home_dir})
     result = validate(spec, facts=facts_for(case))
     case = dataclasses.replace(case, severity=Severity.WARNING)
     warning = the_problem(result.warnings, case)

@@ -288,7 +288,7 @@ def test_a_server_of_several_keys_is_scraped_with_the_scrape_key_not_the_whole_k
     )
     config = prometheus_config(spec, tmp_path / "prometheus")
     rendered = config.read_text()
-    assert f"credentials_file: {scrape_key}" in rendered
+    assert f'credentials_file: "{scrape_key}"' in rendered
     before = rendered.split("  - job_name: llm-appliance-llama-server\n")[1]
     before = "  - job_name: as-rendered-before\n" + before.replace(str(scrape_key), str(keys))
     config.write_text(rendered + before)

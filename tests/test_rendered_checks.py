@@ -267,7 +267,7 @@ def test_lan_spec_scrape_uses_the_api_key(lan_spec: Callable[..., Path], tmp_pat
     files = _render(spec, "demo.toml")
     root = _write(files, tmp_path / "root")
     scrape = files[SCRAPE]
-    assert f"credentials_file: {load_spec(spec).spec.server.api_key_file}" in scrape
+    assert f'credentials_file: "{load_spec(spec).spec.server.api_key_file}"' in scrape
     # 0.0.0.0 is scraped over loopback.
     assert '"127.0.0.1:8080"' in scrape
     result = _run([_tool("promtool"), "check", "config", str(_prometheus_config(root))])

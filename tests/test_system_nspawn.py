@@ -414,6 +414,123 @@ def test_the_service_user_cannot_make_root_write_through_a_link(machine: Machine
     assert model == "root:root 644"
 
 
+# --- the contract: a spec that validates starts under the rendered units and answers --------------------------
+# Each spec below differs from the demo in one risky dimension; each reached `systemctl start` and failed there
+# before validate knew the sandbox (a home, a group, a low port) or asked systemd (a schedule).
+
+
+def _spec(machine: Machine, name: str, edits: dict[str, str]) -> str:
+    """The installed demo spec with `edits`, written as /root/NAME.toml; its path inside."""
+    text = (machine.root / "etc/llm-appliance/demo.toml").read_text()
+    for old, new in edits.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    (machine.root / f"root/{name}.toml").write_text(text)
+    return f"/root/{name}.toml"
+
+
+def _status(machine: Machine, port: int = 8080, key: str | None = None) -> str:
+    """The HTTP status of a one-token chat completion."""
+    auth = f"-H 'Authorization: Bearer {key}' " if key else ""
+    body = '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}'
+    return machine.run(
+        f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 60 {auth}-H 'Content-Type: application/json' "
+        f"-d '{body}' http://127.0.0.1:{port}/v1/chat/completions",
+        check=False,
+    ).stdout
+
+
+def _serve(machine: Machine, spec: str) -> None:
+    """validate says yes, apply, and the server unit reaches READY under what was rendered."""
+    machine.run(f"{CLI} validate {spec}")
+    machine.run(f"{CLI} apply {spec}")
+    machine.run("systemctl reset-failed llm-appliance-server.service", check=False)  # the start-rate limit
+    restarted = machine.run("systemctl restart llm-appliance-server.service", timeout=300, check=False)
+    journal = machine.run("journalctl --no-pager -n 30 -u llm-appliance-server.service", check=False).stdout
+    assert restarted.returncode == 0, journal  # Type=notify: restart returns once the launcher sent READY=1
+    assert machine.run("systemctl is-active llm-appliance-server.service").stdout.strip() == "active"
+
+
+def _refused(machine: Machine, spec: str, *words: str) -> str:
+    """validate and apply both exit 1 naming the problem, and apply writes nothing."""
+    before = machine.run("sha256sum /etc/llm-appliance/rendered/* /etc/systemd/system/llm-appliance-*").stdout
+    for command in ("validate", "apply"):
+        result = machine.run(f"{CLI} {command} {spec}", check=False)
+        assert result.returncode == 1, result.stdout + result.stderr
+        for word in words:
+            assert word in result.stderr, result.stderr
+    assert machine.run("sha256sum /etc/llm-appliance/rendered/* /etc/systemd/system/llm-appliance-*").stdout == before
+    return result.stderr
+
+
+def test_models_in_a_home_hugging_face_cache_are_bound_into_the_unit(machine: Machine) -> None:
+    """~/.cache/huggingface: a snapshot's file is a link to a blob, in a home of mode 0700, hidden by ProtectHome."""
+    hub = f"/home/{ADMIN}/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct"
+    model = f"{hub}/snapshots/0123abc/{SMOLLM2}"
+    machine.run(
+        f"mkdir -p {hub}/blobs {hub}/snapshots/0123abc && cp /var/lib/llm-appliance/models/{SMOLLM2} {hub}/blobs/9f86d08 "
+        f"&& ln -sf ../../blobs/9f86d08 {model} && chown -R {ADMIN}: /home/{ADMIN}/.cache && chmod 0700 /home/{ADMIN}"
+    )
+    _serve(machine, _spec(machine, "home", {f"/var/lib/llm-appliance/models/{SMOLLM2}": model}))
+    assert _status(machine) == "200"
+    unit = machine.run("systemctl cat llm-appliance-server.service").stdout
+    assert "ProtectHome=tmpfs" in unit and f'BindReadOnlyPaths="{model}"' in unit, unit
+    assert f'BindReadOnlyPaths="{hub}/blobs/9f86d08"' in unit, unit
+
+
+def test_models_in_a_group_readable_directory_need_the_group(machine: Machine) -> None:
+    machine.run(
+        "groupadd -f models && mkdir -p /srv/models && chgrp models /srv/models && chmod 0750 /srv/models && "
+        f"cp /var/lib/llm-appliance/models/{SMOLLM2} /srv/models/ && chgrp models /srv/models/{SMOLLM2} && "
+        f"chmod 0640 /srv/models/{SMOLLM2}"
+    )
+    spec = _spec(machine, "group", {f"/var/lib/llm-appliance/models/{SMOLLM2}": f"/srv/models/{SMOLLM2}"})
+    said = _refused(machine, spec, "models.target.path", "llm-appliance, the user the units run as, cannot read")
+    assert "usermod -aG GROUP llm-appliance" in said
+    machine.run("usermod -aG models llm-appliance")
+    _serve(machine, spec)
+    assert _status(machine) == "200"
+
+
+def test_port_80_is_bound_with_the_one_capability(machine: Machine) -> None:
+    _serve(machine, _spec(machine, "port80", {"port = 8080": "port = 80"}))
+    assert _status(machine, port=80) == "200"
+    unit = machine.run("systemctl show -p AmbientCapabilities -p CapabilityBoundingSet llm-appliance-server.service")
+    assert unit.stdout.split() == [
+        "CapabilityBoundingSet=cap_net_bind_service",
+        "AmbientCapabilities=cap_net_bind_service",
+    ]
+
+
+def test_a_custom_schedule_is_systemds_own_reading(machine: Machine) -> None:
+    _refused(
+        machine,
+        _spec(machine, "whenever", {"max_per_hour = 6": 'max_per_hour = 6\nschedule = "whenever it suits"'}),
+        "restart.schedule",
+        "systemd cannot read",
+    )
+    _serve(machine, _spec(machine, "weekdays", {"max_per_hour = 6": 'max_per_hour = 6\nschedule = "Mon..Fri 03:30"'}))
+    timer = machine.run("systemctl show -p TimersCalendar llm-appliance-restart.timer").stdout
+    assert "OnCalendar=Mon..Fri *-*-* 03:30:00" in timer, timer
+    assert machine.run("systemctl is-active llm-appliance-restart.timer").stdout.strip() == "active"
+    assert _status(machine) == "200"
+
+
+def test_an_api_key_is_asked_of_every_client(machine: Machine) -> None:
+    machine.run(
+        "install -m 0640 -o root -g llm-appliance /dev/null /etc/llm-appliance/api-keys && "
+        "echo contract-key > /etc/llm-appliance/api-keys"
+    )
+    _serve(machine, _spec(machine, "key", {"port = 8080": 'port = 8080\napi_key_file = "/etc/llm-appliance/api-keys"'}))
+    assert _status(machine) == "401"
+    assert _status(machine, key="contract-key") == "200"
+
+
+def test_the_demo_spec_serves_again(machine: Machine) -> None:
+    _serve(machine, "/etc/llm-appliance/demo.toml")
+    assert _status(machine) == "200"
+
+
 def test_uninstall_leaves_no_unit_ruleset_or_process(machine: Machine) -> None:
     machine.run(f"cd {SRC} && ./install.sh --uninstall", timeout=300)
     assert "llm-appliance" not in machine.run("systemctl list-unit-files --no-pager").stdout

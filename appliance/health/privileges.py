@@ -80,9 +80,9 @@ def _load_ruleset(appliance: Appliance) -> str:
     return f"{applied}, loaded"
 
 
-def become(who: Account, workdir: Path) -> None:
+def become(who: Account, workdir: Path, bind_low_ports: bool = False) -> None:
     """The service user from here on, in its own directory, with its own name in the environment."""
-    drop_to(who)
+    drop_to(who, bind_low_ports)
     os.environ.update(HOME=str(workdir), USER=who.name, LOGNAME=who.name)
     try:
         os.chdir(workdir)

@@ -107,7 +107,8 @@ def up(appliance: Appliance, stop_timeout: float, as_current_user: bool = False)
     if os.geteuid() == 0 and not as_current_user:
         who = service_user("up")
         ruleset = prepare(appliance, who)
-        become(who, appliance.state_file.parent)
+        # A port below 1024 (the server's or the exporter's): the one capability, as the units grant it.
+        become(who, appliance.state_file.parent, appliance.server.privileged or appliance.exporter.privileged)
         say_what_is_not_enforced(who, ruleset)
     elif os.geteuid() == 0:
         print(AS_CURRENT_USER, file=sys.stderr, flush=True)

@@ -6,13 +6,14 @@ argv.py, the budget in budget.py, the device rules in devices.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from appliance.facts.gguf import ModelInfo
 from appliance.facts.machine import MachineFacts
 from appliance.plan.argv import build_argv
 from appliance.plan.budget import DeviceBudget, budgets, over_budget
 from appliance.plan.devices import draft_in_use, gpu_devices, offloaded_layers
+from appliance.plan.sandbox import Sandbox
 from appliance.spec.model import Spec
 from appliance.spec.problems import Problem, warning
 
@@ -25,6 +26,7 @@ class Plan:
     problems: tuple[Problem, ...]
     target: ModelInfo
     draft: ModelInfo | None
+    sandbox: Sandbox = field(default_factory=Sandbox)  # what validate found the units must bind
 
     @property
     def speculation(self) -> bool:

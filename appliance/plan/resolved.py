@@ -25,6 +25,7 @@ from appliance.system import paths
 SNAPSHOT_VERSION = 1
 SNAPSHOT = paths.RENDERED / "appliance.json"
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+PRIVILEGED_PORTS = 1024  # below it binding needs CAP_NET_BIND_SERVICE (net.ipv4.ip_unprivileged_port_start)
 # Device nodes a CUDA process opens besides /dev/nvidiaN of its GPUs (nvidia-uvm-tools is for profilers);
 # NVML opens only the control node and the GPUs', read-write like CUDA.
 NVIDIA_CONTROL = "/dev/nvidiactl"
@@ -53,6 +54,11 @@ class Endpoint:
     @property
     def loopback_only(self) -> bool:
         return self.host in LOOPBACK_HOSTS
+
+    @property
+    def privileged(self) -> bool:
+        """Its unit must grant CAP_NET_BIND_SERVICE, the one capability the service user ever gets."""
+        return self.port < PRIVILEGED_PORTS
 
     @property
     def own_address(self) -> tuple[str, ...]:
@@ -85,6 +91,10 @@ class Appliance:
     slot_ctx: int
     state_file: Path
     baseline_file: Path
+    # Files each unit binds read-only out of a home directory its ProtectHome= hides ("-": may be missing).
+    server_binds: tuple[str, ...] = ()
+    health_binds: tuple[str, ...] = ()
+    restart_binds: tuple[str, ...] = ()
 
     @property
     def health_url(self) -> str:
@@ -131,6 +141,9 @@ class Appliance:
                 "slot_ctx": self.slot_ctx,
                 "state_file": str(self.state_file),
                 "baseline_file": str(self.baseline_file),
+                "server_binds": list(self.server_binds),
+                "health_binds": list(self.health_binds),
+                "restart_binds": list(self.restart_binds),
             },
         }
 
@@ -159,6 +172,9 @@ class Appliance:
             slot_ctx=int(r["slot_ctx"]),
             state_file=Path(r["state_file"]),
             baseline_file=Path(r["baseline_file"]),
+            server_binds=tuple(str(b) for b in r["server_binds"]),
+            health_binds=tuple(str(b) for b in r["health_binds"]),
+            restart_binds=tuple(str(b) for b in r["restart_binds"]),
         )
 
     def to_json(self, header: str) -> str:
@@ -201,6 +217,9 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
         slot_ctx=spec.server.slot_ctx,
         state_file=state_dir / "health-state.json",
         baseline_file=spec.health.baseline_file,
+        server_binds=plan.sandbox.server_binds,
+        health_binds=plan.sandbox.health_binds,
+        restart_binds=plan.sandbox.restart_binds,
     )
 
 

@@ -12,10 +12,11 @@ import stat
 from pathlib import Path
 
 from appliance.facts.keys import bearer_token, parse_keys
+from appliance.plan.sandbox import hidden
 from appliance.spec.model import Spec
 from appliance.spec.problems import Problem, error, warning
 from appliance.system import paths
-from appliance.system.users import account, reading
+from appliance.system.users import Access, account, denied_as
 
 API_KEY = "server.api_key_file"
 SCRAPE_KEY = "prometheus.scrape_key_file"
@@ -114,7 +115,9 @@ def _service_user_reads(path: Path) -> list[Problem]:
                 f"(a new one: install -m 0640 -o root -g {who.group_name} /dev/null {path})",
             )
         ]
-    unreachable = reading(path, who)
+    # Bound into the units when the sandbox hides it (plan/sandbox.py): then only its own mode counts.
+    bound = bool(hidden(path))
+    unreachable = denied_as(who, [Access(path, inode_only=bound)]).get(Access(path, inode_only=bound))
     if unreachable:
         return [
             error(

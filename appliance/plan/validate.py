@@ -6,16 +6,19 @@ This is the one place that reads model files and probes the machine; `plan.py` s
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from appliance.facts.calendar import CalendarInvalid, CalendarUnchecked, read_calendar
 from appliance.facts.gguf import GGUFError, ModelInfo, read_model
 from appliance.facts.machine import MachineFacts, gather
 from appliance.facts.vocab import Vocab, VocabUnavailable, incompatibilities, read_vocab
 from appliance.plan.plan import Plan, plan
+from appliance.plan.sandbox import sandbox
 from appliance.plan.secrets import key_problems
 from appliance.spec.checks import spec_problems
 from appliance.spec.load import LoadedSpec, load_spec
+from appliance.spec.model import Spec, line_breaks
 from appliance.spec.problems import Problem, Severity, SpecInvalid, error, warning
 
 VocabReader = Callable[[Path, Path | None], Vocab]
@@ -36,8 +39,10 @@ def validate(path: Path, facts: MachineFacts | None = None, vocab_reader: VocabR
     """Everything `validate` checks; raises SpecInvalid (errors and warnings, located) on any error."""
     loaded = load_spec(path)
     spec = loaded.spec
-    found = spec_problems(loaded) + key_problems(spec)
+    found = _name_problems(path) + spec_problems(loaded) + key_problems(spec) + _schedule_problems(spec)
     facts = facts or gather(spec)
+    box, sandbox_problems = sandbox(spec, str(facts.binary) if facts.binary else spec.server.binary)
+    found += sandbox_problems
     if facts.dialect_note:
         found.append(
             warning("server.binary", facts.dialect_note, "run `llm-appliance engine install`, or set server.binary")
@@ -77,9 +82,55 @@ def validate(path: Path, facts: MachineFacts | None = None, vocab_reader: VocabR
     located = [loaded.locate(p) for p in found]
     if result is None or any(p.severity is Severity.ERROR for p in located):
         raise SpecInvalid(located)
-    return Validated(
-        loaded, facts, Plan(result.spec, result.argv, result.budgets, tuple(located), result.target, result.draft)
-    )
+    return Validated(loaded, facts, replace(result, problems=tuple(located), sandbox=box))
+
+
+def _name_problems(path: Path) -> list[Problem]:
+    """apply installs the spec as /etc/llm-appliance/NAME, and the rendered files name it in their headers."""
+    found = line_breaks(path.name)
+    if not found:
+        return []
+    return [
+        error(
+            "(the spec file's name)",
+            f"{path.name!r} holds {', '.join(found)}: the rendered units, ruleset and rules name the installed spec "
+            "in a comment line, which this would break",
+            "rename the file, e.g. appliance.toml",
+        )
+    ]
+
+
+def _schedule_problems(spec: Spec) -> list[Problem]:
+    """The restart timer's OnCalendar=, read by the parser the timer will use."""
+    schedule = spec.restart.schedule
+    try:
+        calendar = read_calendar(schedule)
+    except CalendarInvalid as exc:
+        return [
+            error(
+                "restart.schedule",
+                f"systemd cannot read {schedule!r} as a calendar: {exc}",
+                "write an OnCalendar expression, e.g. '*-*-* 04:00:00', 'daily' or 'Sun 03:00' "
+                "(try it: systemd-analyze calendar 'EXPRESSION'; see man systemd.time)",
+            )
+        ]
+    except CalendarUnchecked as exc:
+        return [
+            warning(
+                "restart.schedule",
+                f"cannot check {schedule!r} with systemd's own parser: {exc}",
+                "validate on the machine that runs the units",
+            )
+        ]
+    if calendar.next_elapse == "never":
+        return [
+            warning(
+                "restart.schedule",
+                f"{schedule!r} ({calendar.normalized}) never comes again: the scheduled restart will not run",
+                "write a recurring expression, e.g. 'daily' or '*-*-* 04:00:00'",
+            )
+        ]
+    return []
 
 
 def _vocab_problems(target: Path, draft: Path, facts: MachineFacts, reader: VocabReader) -> list[Problem]:

@@ -33,10 +33,16 @@ class View:
     server: Endpoint
     exporter: Endpoint
     scrape_key_file: str | None
+    scrape_key_file_yaml: str  # a YAML double-quoted string
+    scrape_key_file_text: str  # inside an alert's description: YAML-escaped, and no Go template action
+    spec_file_text: str
     on_gpu_devices: bool  # the server uses a GPU: device nodes open, NVML read, GPU alerts
     server_device_nodes: tuple[str, ...]
     health_device_nodes: tuple[str, ...]
     mlock: bool
+    server_binds: tuple[str, ...]  # BindReadOnlyPaths= of each unit, quoted (sandbox.py refuses what quotes cannot carry)
+    health_binds: tuple[str, ...]
+    restart_binds: tuple[str, ...]
     allow_v4: str  # nftables set elements, comma-separated
     allow_v6: str
     server_allow: tuple[str, ...]  # IPAddressAllow= of the server unit, besides localhost
@@ -52,6 +58,7 @@ class View:
     snapshot_json: str
     scrape_interval: str
     labels: tuple[tuple[str, str], ...]  # the spec's labels, each value quoted (valid in YAML and in PromQL)
+    rule_labels: tuple[tuple[str, str], ...]  # ...in an alerting rule, where Prometheus expands templates
     selectors: dict[str, str]  # each series the alerts read, with the spec's labels as matchers
     decay_ratio: float
     creep_ratio: float
@@ -83,10 +90,16 @@ def view(appliance: Appliance) -> View:
         server=appliance.server,
         exporter=appliance.exporter,
         scrape_key_file=str(appliance.scrape_key_file) if appliance.scrape_key_file else None,
+        scrape_key_file_yaml=_quoted(str(appliance.scrape_key_file or "")),
+        scrape_key_file_text=_in_template(str(appliance.scrape_key_file or "")),
+        spec_file_text=_in_template(str(appliance.spec_file)),
         on_gpu_devices=bool(appliance.server_devices),
         server_device_nodes=appliance.server_device_nodes,
         health_device_nodes=appliance.health_device_nodes,
         mlock="mlock" in spec.server.load_mode,
+        server_binds=tuple(f'"{path}"' for path in appliance.server_binds),
+        health_binds=tuple(f'"{path}"' for path in appliance.health_binds),
+        restart_binds=tuple(f'"{path}"' for path in appliance.restart_binds),
         allow_v4=", ".join(allow_v4),
         allow_v6=", ".join(allow_v6),
         server_allow=appliance.server_ip_allow,
@@ -102,6 +115,7 @@ def view(appliance: Appliance) -> View:
         snapshot_json=appliance.to_json(header),
         scrape_interval=f"{spec.prometheus.scrape_interval_seconds}s",
         labels=tuple((name, _quoted(value)) for name, value in labels),
+        rule_labels=tuple((name, f'"{_in_template(value)}"') for name, value in labels),
         selectors=selectors(appliance, [f"{name}={_quoted(value)}" for name, value in labels]),
         decay_ratio=spec.health.decay_ratio,
         creep_ratio=spec.health.creep_ratio,
@@ -144,6 +158,12 @@ def selectors(appliance: Appliance, label_matchers: list[str]) -> dict[str, str]
 def _quoted(value: str) -> str:
     # A JSON string of the text itself (no \u escapes of non-ASCII) is a YAML and a PromQL double-quoted string.
     return json.dumps(value, ensure_ascii=False)
+
+
+def _in_template(text: str) -> str:
+    """Text inside a double-quoted YAML string that Prometheus expands as a Go template (an alert's labels and
+    annotations): YAML-escaped, and each "{{" printed by an action of its own rather than opening one."""
+    return _quoted(text.replace("{{", '{{ "{{" }}'))[1:-1]
 
 
 def duration(seconds: int) -> str:

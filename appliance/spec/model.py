@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import unicodedata
 import urllib.parse
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from appliance.system import paths
 
@@ -34,8 +35,46 @@ QUANTIZED_CACHE = frozenset(name for name, size in CACHE_BYTES.items() if size <
 GpuLayers = Annotated[int, Field(ge=0, le=1000)] | Literal["auto", "all"]
 DEVICE_NAME = re.compile(r"^(none|[A-Za-z]+[0-9]+)$")
 DEFAULT_BINARY = str(paths.engine_binary(paths.ENGINE_DIR))
-# TOML strings become paths; every other value must already have its TOML type (strict below).
-FilePath = Annotated[Path, Field(strict=False)]
+
+
+def line_breaks(text: str) -> list[str]:
+    """The characters of `text` that could end a line or hide in one: control characters and Unicode line and
+    paragraph separators (a JavaScript comment in the polkit rules ends at U+2028, a unit line at \\n)."""
+    return sorted({repr(c)[1:-1] for c in text if unicodedata.category(c) in ("Cc", "Zl", "Zp")})
+
+
+def _one_line(value: str) -> str:
+    found = line_breaks(value)
+    if found:
+        raise ValueError(
+            f"holds {', '.join(found)}: a value that reaches a rendered unit, ruleset or YAML file must be one line "
+            "of printable text"
+        )
+    return value
+
+
+def _one_line_path(value: Path) -> Path:
+    _one_line(str(value))
+    return value
+
+
+def _address(value: str) -> str:
+    if value == "localhost":
+        return value
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ValueError(
+            f"{value!r} is not an IP address; use 127.0.0.1, ::1, 0.0.0.0 or one of this machine's addresses"
+        ) from None
+    return value
+
+
+# Free-form text that reaches a rendered file (a unit, the ruleset, YAML): one printable line, checked where it
+# enters the model. TOML strings become paths; every other value must already have its TOML type (strict below).
+Line = Annotated[str, AfterValidator(_one_line)]
+FilePath = Annotated[Path, Field(strict=False), AfterValidator(_one_line_path)]
+Address = Annotated[str, AfterValidator(_address)]
 
 
 class Strict(BaseModel):
@@ -55,8 +94,8 @@ class Sampling(Strict):
 
 
 class Server(Strict):
-    binary: str = DEFAULT_BINARY
-    host: str = "127.0.0.1"
+    binary: Line = DEFAULT_BINARY
+    host: Address = "127.0.0.1"
     port: Annotated[int, Field(ge=1, le=65535)] = 8080
     api_key_file: FilePath | None = None
     # Web pages (origins) a browser may let read the API; none by default (see _origins).
@@ -70,19 +109,6 @@ class Server(Strict):
     load_mode: Literal["auto", "none", "mmap", "mlock", "mmap+mlock", "dio"] = "mmap"
     sampling: Sampling = Sampling()
     extra_args: list[str] = []
-
-    @field_validator("host")
-    @classmethod
-    def _host_is_an_address(cls, value: str) -> str:
-        if value in ("localhost",):
-            return value
-        try:
-            ipaddress.ip_address(value)
-        except ValueError:
-            raise ValueError(
-                f"{value!r} is not an IP address; use 127.0.0.1, ::1, 0.0.0.0 or one of this machine's addresses"
-            ) from None
-        return value
 
     @field_validator("cors_origins")
     @classmethod
@@ -208,21 +234,23 @@ class Restart(Strict):
     cooldown_seconds: Annotated[int, Field(ge=0, le=86400)] = 600
     max_per_hour: Annotated[int, Field(ge=0, le=60)] = 3
     idle_timeout_seconds: Annotated[int, Field(ge=0, le=86400)] = 300
-    schedule: str = "*-*-* 04:00:00"
+    schedule: Line = "*-*-* 04:00:00"
     randomized_delay_seconds: Annotated[int, Field(ge=0, le=86400)] = 0
 
     @field_validator("schedule")
     @classmethod
-    def _one_line(cls, value: str) -> str:
-        if not value.strip() or "\n" in value:
+    def _calendar_text(cls, value: str) -> str:
+        # systemd expands %-specifiers in OnCalendar=; no calendar expression has one. The expression itself is
+        # checked by systemd's own parser in validate (plan/sandbox.py).
+        if not value.strip() or "%" in value:
             raise ValueError("must be one systemd OnCalendar expression, e.g. '*-*-* 04:00:00' or 'daily'")
         return value
 
 
 class Versions(Strict):
-    driver: str = ""
-    cuda: str = ""
-    llama_cpp: str = ""
+    driver: Line = ""
+    cuda: Line = ""
+    llama_cpp: Line = ""
     on_mismatch: Literal["refuse", "warn"] = "warn"
 
 
@@ -250,7 +278,7 @@ RESERVED_LABELS = ("job", "severity", "alertname")
 
 
 class Prometheus(Strict):
-    host: str = "127.0.0.1"
+    host: Address = "127.0.0.1"
     port: Annotated[int, Field(ge=1, le=65535)] = 9478
     labels: dict[str, str] = {}
     scrape_interval_seconds: Annotated[int, Field(ge=1, le=3600)] = 15
@@ -296,8 +324,8 @@ class Tuning(Strict):
 
     workloads: dict[str, Annotated[float, Field(gt=0.0, le=1000.0)]] = {}
     profiles: dict[str, TuningProfile] = {}
-    suite: str = ""
-    measured_at: str = ""
+    suite: Line = ""
+    measured_at: Line = ""
 
     @field_validator("workloads", "profiles")
     @classmethod

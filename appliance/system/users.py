@@ -4,7 +4,7 @@
   service user change what a name there points to: root never writes, nor trusts what it reads, there
   (`files` asks before every write);
 - `reading` says whether the service user could read a file, from the modes alone (validate checks the
-  API key file as the server will read it, not as root reads it);
+  API key file as the server will read it, not as root reads it); `denied_as` tries it for real, as the user;
 - `drop_to` makes this process the service user for good, as systemd's User= would.
 """
 
@@ -12,15 +12,23 @@ from __future__ import annotations
 
 import ctypes
 import grp
+import json
 import os
 import pwd
 import stat
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from appliance.system import paths
 
+PR_SET_DUMPABLE = 4
+PR_SET_KEEPCAPS = 8
 PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 47, 2
+CAP_NET_BIND_SERVICE = 10
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
 MAX_HOPS = 40  # symbolic links followed before the kernel says ELOOP
 READ, WRITE, SEARCH = 4, 2, 1
 
@@ -138,18 +146,141 @@ def reading(path: Path, who: Account) -> str | None:
     return None
 
 
-def drop_to(who: Account) -> None:
-    """Become `who` for good: its groups, its gid, its uid (real, effective and saved), and no_new_privs, so
-    no setuid program can give root back. Called before any thread starts (setuid applies to all of them)."""
+@dataclass(frozen=True)
+class Access:
+    """A file a unit opens, and how: read, or execute (the binary); `inode_only` when systemd binds it into the
+    unit's namespace (BindReadOnlyPaths=), where its directories are systemd's and only its own mode counts."""
+
+    path: Path
+    execute: bool = False
+    inode_only: bool = False
+
+
+def denied_as(who: Account, wanted: Sequence[Access]) -> dict[Access, str]:
+    """Each access `who` would be refused, with the reason. Root tries them for real: a child process becomes
+    `who` (groups, gid, uid, as User= would) and asks the kernel, ACLs included. Anyone else can only read
+    the modes on the way (`reading`)."""
+    if os.geteuid() != 0:
+        return {a: r for a in wanted if (r := _reading_by_modes(a, who))}
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe and never returns
+        os.close(read_end)
+        code = 1
+        try:
+            answers = _try_as(who, wanted)
+            os.write(write_end, json.dumps(answers).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        said = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise OSError(f"could not check access as {who.name}: the checking process failed")
+    refused: list[int] = json.loads(said)
+    # The kernel said no; the modes say where, when they can.
+    return {
+        a: _reading_by_modes(a, who) or f"{who.name} may not {'execute' if a.execute else 'read'} it"
+        for i, a in enumerate(wanted)
+        if i in refused
+    }
+
+
+def _try_as(who: Account, wanted: Sequence[Access]) -> list[int]:
+    """In the child: open what systemd would bind while still root, become `who`, then ask the kernel."""
+    held: dict[Path, int] = {}
+    for access in wanted:
+        if access.inode_only:
+            try:
+                held[access.path] = os.open(access.path, os.O_PATH)
+            except OSError:
+                pass  # nothing for systemd to bind either: refused below
     os.setgroups(list(who.groups))
     os.setgid(who.gid)
     os.setuid(who.uid)
+    # setuid made the process undumpable, which makes /proc/self root's; the held files are reached through it.
+    _prctl(ctypes.CDLL(None, use_errno=True), "PR_SET_DUMPABLE", PR_SET_DUMPABLE, 1)
+    refused = []
+    for i, access in enumerate(wanted):
+        mode = os.R_OK | (os.X_OK if access.execute else 0)
+        if access.inode_only:
+            fd = held.get(access.path)
+            allowed = fd is not None and os.access(f"/proc/self/fd/{fd}", mode)
+        else:
+            allowed = os.access(access.path, mode)
+        if not allowed:
+            refused.append(i)
+    return refused
+
+
+def _reading_by_modes(access: Access, who: Account) -> str | None:
+    if not access.inode_only:
+        reason = reading(access.path, who)
+        if reason:
+            return reason
+    try:
+        status = os.stat(access.path)
+    except OSError as exc:
+        return f"cannot reach it: {exc.strerror}"
+    wanted = READ | (SEARCH if access.execute else 0)
+    if not may(status, who, wanted):
+        verb = "execute" if access.execute else "read"
+        owner = f"{_name(pwd.getpwuid, status.st_uid)}:{_name(grp.getgrgid, status.st_gid)}"
+        return f"its mode {stat.S_IMODE(status.st_mode):04o} ({owner}) does not let {who.name} {verb} it"
+    return None
+
+
+def _name(lookup: Callable[[int], Any], number: int) -> str:
+    try:
+        return str(lookup(number)[0])
+    except KeyError:
+        return str(number)
+
+
+def drop_to(who: Account, bind_low_ports: bool = False) -> None:
+    """Become `who` for good: its groups, its gid, its uid (real, effective and saved), and no_new_privs, so
+    no setuid program can give root back. Called before any thread starts (setuid applies to all of them).
+    `bind_low_ports` keeps CAP_NET_BIND_SERVICE alone, ambient, so llama-server inherits it, as the unit's
+    AmbientCapabilities= would give it for a port below 1024."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(error)}")
+    if bind_low_ports:
+        _prctl(libc, "PR_SET_KEEPCAPS", PR_SET_KEEPCAPS, 1)
+    os.setgroups(list(who.groups))
+    os.setgid(who.gid)
+    os.setuid(who.uid)
+    if bind_low_ports:
+        _keep_only_bind_capability(libc)
+    _prctl(libc, "PR_SET_NO_NEW_PRIVS", PR_SET_NO_NEW_PRIVS, 1)
     try:
         os.setuid(0)
     except PermissionError:
         return
     raise PermissionError(f"still able to become root after dropping to {who.name}")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _keep_only_bind_capability(libc: ctypes.CDLL) -> None:
+    """After setuid with keepcaps: CAP_NET_BIND_SERVICE permitted, effective and inheritable, every other
+    capability gone, then raised ambient (ambient needs it permitted and inheritable) to survive execve."""
+    bit = 1 << CAP_NET_BIND_SERVICE
+    data = (_CapData * 2)(_CapData(bit, bit, bit), _CapData(0, 0, 0))
+    if libc.capset(ctypes.byref(_CapHeader(LINUX_CAPABILITY_VERSION_3, 0)), data) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"capset(CAP_NET_BIND_SERVICE): {os.strerror(error)}")
+    _prctl(libc, "PR_CAP_AMBIENT_RAISE", PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_NET_BIND_SERVICE)
+
+
+def _prctl(libc: ctypes.CDLL, name: str, option: int, *arguments: int) -> None:
+    padded = (*arguments, 0, 0, 0, 0)[:4]
+    if libc.prctl(option, *padded) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"prctl({name}): {os.strerror(error)}")

@@ -1,0 +1,165 @@
+"""The spec against the sandbox its units impose and the user they run as: every file a unit opens must be
+reachable inside the unit's namespace and readable by the service user, checked as that user.
+
+- ProtectHome= hides /home, /root and /run/user, where people keep ~/models and the Hugging Face cache: a file
+  there is bound back read-only (BindReadOnlyPaths=, with ProtectHome=tmpfs, the one mode that can take a
+  bind), the file alone, not its neighbours;
+- PrivateTmp= gives each unit its own /tmp and /var/tmp, and both are emptied or aged at boot: refused;
+- the service user must read what it opens (a directory of mode 0700 on the way, a file of another group):
+  root tries it as that user for real (system.users.denied_as).
+
+Validation, not planning: it reads the file system, as validate.py does.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.spec.model import Spec
+from appliance.spec.problems import Problem, error, warning
+from appliance.system import paths
+from appliance.system.users import Access, account, denied_as
+
+HIDDEN_HOMES = (Path("/home"), Path("/root"), Path("/run/user"))  # ProtectHome=
+PRIVATE_TMP = (Path("/tmp"), Path("/var/tmp"))  # PrivateTmp=: the unit's own, empty; host files bound in
+# What BindReadOnlyPaths= cannot carry, even quoted: its separator, systemd's specifiers and escapes.
+UNBINDABLE = frozenset(':%"\\\'')
+MODELS = paths.STATE.parent / "models"
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """The paths each unit binds read-only from a hidden home; empty: the unit keeps ProtectHome=yes."""
+
+    server_binds: tuple[str, ...] = ()
+    health_binds: tuple[str, ...] = ()
+    restart_binds: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Opened:
+    field: str
+    path: Path
+    units: tuple[str, ...]  # "server", "health", "restart"
+    execute: bool = False
+    optional: bool = False  # may not exist yet (the baseline): bound with "-", not checked for reading
+    checked_elsewhere: bool = False  # the API key files: plan/secrets.py checks owner, mode and reading
+    move_to: Path = MODELS
+
+
+def opened_files(spec: Spec, binary: str) -> list[_Opened]:
+    found = [_Opened("server.binary", Path(binary), ("server",), execute=True, move_to=paths.ENGINE_DIR)]
+    for role, model in (("target", spec.models.target), ("draft", spec.models.draft)):
+        if model is not None:
+            found.append(_Opened(f"models.{role}.path", model.path, ("server",)))
+    if spec.server.api_key_file is not None:
+        found.append(
+            _Opened(
+                "server.api_key_file",
+                spec.server.api_key_file,
+                ("server", "health", "restart"),
+                checked_elsewhere=True,
+                move_to=paths.ETC,
+            )
+        )
+    found.append(
+        _Opened("health.baseline_file", spec.health.baseline_file, ("health",), optional=True, move_to=paths.STATE)
+    )
+    return found
+
+
+def under(path: Path, roots: tuple[Path, ...]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def hidden(path: Path) -> list[Path]:
+    """The names of `path` (as written, and the file it leads to) that the units' sandbox hides: to bind."""
+    return [p for p in dict.fromkeys((path, _real(path))) if under(p, HIDDEN_HOMES + PRIVATE_TMP)]
+
+
+def sandbox(spec: Spec, binary: str) -> tuple[Sandbox, list[Problem]]:
+    """The binds the units need, and every file they could not open."""
+    binds: dict[str, list[str]] = {"server": [], "health": [], "restart": []}
+    found: list[Problem] = []
+    wanted: dict[Access, _Opened] = {}
+    for opened in opened_files(spec, binary):
+        path = opened.path
+        if not path.is_absolute():
+            if opened.field.startswith("models."):
+                continue  # validate.py says so, before it reads the model
+            found.append(
+                error(
+                    opened.field,
+                    f"{path} is relative; the units do not start where you run validate",
+                    f"write it in full, e.g. {opened.move_to / path.name}",
+                )
+            )
+            continue
+        real = _real(path)
+        if under(path, PRIVATE_TMP) or under(real, PRIVATE_TMP):
+            found.append(
+                warning(
+                    opened.field,
+                    f"{path} is in a temporary directory: the system empties /tmp at boot and ages /var/tmp, "
+                    "so the units would not start after a reboot or a month",
+                    f"move it to {opened.move_to}/",
+                )
+            )
+        bound = hidden(path)
+        if bound:
+            bad = sorted({c for p in bound for c in str(p) if c in UNBINDABLE})
+            if bad:
+                found.append(
+                    error(
+                        opened.field,
+                        f"{path} is where the units' sandbox hides it (ProtectHome=, PrivateTmp=), and its name holds "
+                        f"{' '.join(bad)}, which systemd cannot bind back into them (BindReadOnlyPaths=)",
+                        f"rename it without {' '.join(bad)}, or move it to {opened.move_to}/",
+                    )
+                )
+                continue
+            # The binary brings its libraries from its own directory (a llama.cpp build's bin/).
+            shown = [str(p.parent) if opened.execute else str(p) for p in bound]
+            for unit in opened.units:
+                binds[unit] += [("-" if opened.optional else "") + p for p in shown]
+        # A file that does not exist has its own error (the model, the key) or warning (the binary, before
+        # `engine install`); the baseline may come later, from `bench`.
+        if path.exists() and not opened.checked_elsewhere:
+            wanted[Access(path, execute=opened.execute, inode_only=bool(bound) and not opened.execute)] = opened
+    found += _readable(wanted)
+    box = Sandbox(*(tuple(dict.fromkeys(binds[unit])) for unit in ("server", "health", "restart")))
+    return box, found
+
+
+def _readable(wanted: dict[Access, _Opened]) -> list[Problem]:
+    who = account()
+    if who is None:
+        return [
+            warning(
+                opened.field,
+                f"cannot check that {paths.SERVICE_USER} can {'run' if opened.execute else 'read'} {access.path}: "
+                "the user does not exist on this machine yet",
+                "install.sh creates it; validate again after",
+            )
+            for access, opened in wanted.items()
+        ][:1]
+    found = []
+    for access, reason in denied_as(who, list(wanted)).items():
+        opened = wanted[access]
+        verb = "run" if opened.execute else "read"
+        found.append(
+            error(
+                opened.field,
+                f"{who.name}, the user the units run as, cannot {verb} {access.path}: {reason}",
+                f"let it: chgrp {who.group_name} {access.path} && chmod g+r{'x' if opened.execute else ''} "
+                f"{access.path} (and g+x on each directory on the way), or add it to the file's group "
+                f"(usermod -aG GROUP {who.name}), or move the file to {opened.move_to}/",
+            )
+        )
+    return found
