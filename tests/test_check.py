@@ -243,3 +243,16 @@ def test_nft_runs_as_root(demo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(appliance.render.check.os, "geteuid", lambda: 1000)
     checked = check_tree(files)
     assert (checked.rejections, checked.notes) == ((), ("nft -c needs root (it asks the kernel), ruleset not checked",))
+
+
+def test_the_installed_spec_is_not_taken_for_a_rendered_file(demo: Path) -> None:
+    # apply installs the spec beside rendered/ under a name of the admin's choosing.
+    files = demo_files(demo)
+    spec_text = demo.read_text()
+    for name in ("demo.json", "demo.nft", "scrape.yml", "demo.rules.yml"):
+        files[f"etc/llm-appliance/{name}"] = spec_text
+    assert check_tree(files).rejections == ()
+    files["etc/llm-appliance/rendered/extra.json"] = spec_text  # but any rendered JSON is parsed
+    assert [(r.path, r.checker) for r in check_tree(files).rejections] == [
+        ("etc/llm-appliance/rendered/extra.json", "json")
+    ]

@@ -24,6 +24,7 @@ from appliance.system.users import account
 # Each checker reads a few small files in well under a second; a minute means it hangs.
 TIMEOUT = 60.0
 UNIT_DIR = "etc/systemd/system/"
+RENDERED_DIR = f"{paths.RENDERED.relative_to('/')}/"
 SBIN = "/usr/sbin:/sbin"  # nft is root's tool: a user's PATH may not name these
 
 
@@ -70,8 +71,9 @@ class Tree:
         return self.root / relative
 
     def ending(self, suffix: str) -> list[str]:
-        """The files whose names end in `suffix`, in a fixed order."""
-        return sorted(relative for relative in self.files if relative.endswith(suffix))
+        """The rendered files whose names end in `suffix`, in a fixed order. Only under rendered/: the spec
+        installed beside it has a name of the admin's choosing, which may end in .json or .nft too."""
+        return sorted(r for r in self.files if r.startswith(RENDERED_DIR) and r.endswith(suffix))
 
     def lines(self, output: str) -> list[str]:
         """A tool's output, non-blank lines, with the private directory taken out of the paths it names."""
