@@ -193,9 +193,11 @@ def ruleset(tree: Tree) -> Checked:
 def _promtool_said(tree: Tree, output: str) -> tuple[str, ...]:
     # Its progress lines name the files; FAILED: alone heads the lines that say why.
     return tuple(
-        line.strip()
-        for line in tree.lines(output)
-        if line.strip() != "FAILED:" and not line.strip().startswith(("Checking ", "SUCCESS"))
+        dict.fromkeys(  # a YAML error is said twice
+            line.strip()
+            for line in tree.lines(output)
+            if line.strip() != "FAILED:" and not line.strip().startswith(("Checking ", "SUCCESS"))
+        )
     )
 
 
