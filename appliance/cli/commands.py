@@ -1,6 +1,6 @@
 """The commands of `llm-appliance`, one function each: arguments in, an exit code out.
 
-Exit codes: 0 ok, 1 invalid spec or snapshot, 2 usage, 3 apply or a system command failed, 4 engine or
+Exit codes: 0 ok, 1 invalid spec or snapshot (or rendered files their own checkers reject), 2 usage, 3 apply or a system command failed, 4 engine or
 model provisioning failed, 5 (status) the spec differs from what is applied, 130 interrupted.
 """
 
@@ -21,6 +21,7 @@ from appliance.plan.budget import lines
 from appliance.plan.resolved import SNAPSHOT, Appliance, changed_fields, resolve
 from appliance.plan.validate import Validated, validate
 from appliance.render.apply import changes, installed_spec_path, reload_system, write
+from appliance.render.check import require_accepted
 from appliance.render.render import render
 from appliance.runtime.launch import Launcher, LaunchPlan
 from appliance.spec.load import load_spec
@@ -88,20 +89,26 @@ def _files(spec_path: Path) -> dict[str, str]:
     return files
 
 
+def _checked(files: dict[str, str]) -> dict[str, str]:
+    """`files` once their checkers accept them (RenderRejected otherwise); skipped checkers are said on stderr."""
+    require_accepted(files, lambda note: print(f"check: {note}", file=sys.stderr))
+    return files
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     files = _files(args.spec)
     if args.out is None:
         for relative, text in files.items():
             print(f"---{relative}---\n{text}", end="" if text.endswith("\n") else "\n")
         return EXIT_OK
-    found = changes(files, args.out)
+    found = changes(_checked(files), args.out)
     write(found, args.out)
     print(f"rendered {len(files)} files into {args.out} ({len(found)} changed)")
     return EXIT_OK
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    found = changes(_files(args.spec), args.root)
+    found = changes(_checked(_files(args.spec)), args.root)
     if args.diff:
         for change in found:
             print(change.diff(), end="")

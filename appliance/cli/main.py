@@ -17,12 +17,13 @@ from appliance.ops import engine, models
 from appliance.ops.layout import LayoutError
 from appliance.plan.resolved import SnapshotError
 from appliance.render.apply import ApplyError
+from appliance.render.check import RenderRejected
 from appliance.spec.problems import SpecInvalid, report
 from appliance.system.run import CommandFailed
 
 # Each failure a command may meet, and its exit code; the message names what failed and how to fix it.
 EXIT_CODES: tuple[tuple[tuple[type[Exception], ...], int], ...] = (
-    ((SnapshotError,), EXIT_INVALID),
+    ((SnapshotError, RenderRejected), EXIT_INVALID),
     ((BenchUsage, PrivilegeError), EXIT_USAGE),  # BenchUsage before BenchError, which it is
     ((ApplyError, ExporterUnavailable, CommandFailed, BenchError, LayoutError), EXIT_APPLY),
     ((engine.EngineError, models.ModelFetchError), EXIT_ENGINE),

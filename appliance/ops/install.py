@@ -25,6 +25,7 @@ from appliance.render.apply import (
     systemd_running,
     write,
 )
+from appliance.render.check import require_accepted
 from appliance.render.render import FILES, RETIRED, render
 from appliance.system import paths
 from appliance.system.files import write_atomically
@@ -163,6 +164,7 @@ def apply_spec(options: Options, report: Report) -> list[Change]:
     spec = options.under(paths.ETC) / options.spec.name
     result = validate(spec)
     files = render(resolve(result.plan, installed_spec_path(spec)))
+    require_accepted(files, lambda note: log(f"check: {note}"))
     found = changes(files, options.root)
     write(found, options.root)
     for change in found:

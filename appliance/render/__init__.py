@@ -1,2 +1,3 @@
-"""Floor 4, files from the resolved appliance: render (pure, jinja2, {path: text}) and apply (writes them
-under a root, reports what changed, reloads what must). Imports the floors below."""
+"""Floor 4, files from the resolved appliance: render (pure, jinja2, {path: text}), check (the tools that
+read them, on a private copy, before anything is written) and apply (writes them under a root, reports what
+changed, reloads what must). Imports the floors below."""
