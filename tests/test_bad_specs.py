@@ -982,7 +982,16 @@ def test_bad_spec_is_refused(
     outside_tmp: Path,
     home_dir: Path,
 ) -> None:
-    spec, text = written(case, example, bad_files, fixture_models, smollm2, gemma3, key_files, {"$OUTSIDE": outside_tmp, "$HOME_DIR": home_dir})
+    spec, text = written(
+        case,
+        example,
+        bad_files,
+        fixture_models,
+        smollm2,
+        gemma3,
+        key_files,
+        {"$OUTSIDE": outside_tmp, "$HOME_DIR": home_dir},
+    )
     with pytest.raises(SpecInvalid) as caught:
         validate(spec, facts=facts_for(case))
     invalid = caught.value
@@ -1005,7 +1014,16 @@ def test_warning_leaves_the_spec_valid(
     outside_tmp: Path,
     home_dir: Path,
 ) -> None:
-    spec, text = written(case, example, bad_files, fixture_models, smollm2, gemma3, key_files, {"$OUTSIDE": outside_tmp, "$HOME_DIR": home_dir})
+    spec, text = written(
+        case,
+        example,
+        bad_files,
+        fixture_models,
+        smollm2,
+        gemma3,
+        key_files,
+        {"$OUTSIDE": outside_tmp, "$HOME_DIR": home_dir},
+    )
     result = validate(spec, facts=facts_for(case))
     case = dataclasses.replace(case, severity=Severity.WARNING)
     warning = the_problem(result.warnings, case)

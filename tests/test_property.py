@@ -467,11 +467,7 @@ def refused_or_accepted(spec: Path, text: str, note: bool = True) -> None:
     assert checked.rejections == (), "\n".join(map(str, checked.rejections))
 
 
-GAPS = "validation lets through values the rendered files cannot hold (issue 14); flip once validation refuses them"
-
-
 @pytest.mark.system  # systemd-analyze, nft (as root, with the service user), promtool
-@pytest.mark.xfail(strict=False, reason=GAPS, raises=AssertionError)
 @CHECKED
 @given(data=st.data())
 def test_every_valid_spec_renders_files_their_checkers_accept(
@@ -509,7 +505,6 @@ FOUND = {
 
 
 @pytest.mark.system
-@pytest.mark.xfail(strict=False, reason=GAPS, raises=AssertionError)
 @pytest.mark.parametrize("case", sorted(FOUND))
 def test_found_inputs_are_refused_or_accepted(
     case: str, fixture_models: Path, tmp_path: Path, key_file: KeyFile

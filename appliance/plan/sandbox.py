@@ -25,7 +25,7 @@ from appliance.system.users import Access, account, denied_as
 HIDDEN_HOMES = (Path("/home"), Path("/root"), Path("/run/user"))  # ProtectHome=
 PRIVATE_TMP = (Path("/tmp"), Path("/var/tmp"))  # PrivateTmp=: the unit's own, empty; host files bound in
 # What BindReadOnlyPaths= cannot carry, even quoted: its separator, systemd's specifiers and escapes.
-UNBINDABLE = frozenset(':%"\\\'')
+UNBINDABLE = frozenset(":%\"\\'")
 MODELS = paths.STATE.parent / "models"
 
 

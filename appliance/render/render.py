@@ -7,6 +7,7 @@ no arithmetic, no string surgery, no lists built in a template.
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -40,7 +41,9 @@ class View:
     server_device_nodes: tuple[str, ...]
     health_device_nodes: tuple[str, ...]
     mlock: bool
-    server_binds: tuple[str, ...]  # BindReadOnlyPaths= of each unit, quoted (sandbox.py refuses what quotes cannot carry)
+    server_binds: tuple[
+        str, ...
+    ]  # BindReadOnlyPaths= of each unit, quoted (sandbox.py refuses what quotes cannot carry)
     health_binds: tuple[str, ...]
     restart_binds: tuple[str, ...]
     allow_v4: str  # nftables set elements, comma-separated
@@ -156,8 +159,10 @@ def selectors(appliance: Appliance, label_matchers: list[str]) -> dict[str, str]
 
 
 def _quoted(value: str) -> str:
-    # A JSON string of the text itself (no \u escapes of non-ASCII) is a YAML and a PromQL double-quoted string.
-    return json.dumps(value, ensure_ascii=False)
+    """A double-quoted string that YAML, PromQL and Go read back as `value`: JSON's escapes, plus \\u escapes for
+    what JSON leaves raw and YAML refuses or reads as a line break (DEL, C1 controls, U+2028, U+2029)."""
+    text = json.dumps(value, ensure_ascii=False)
+    return "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in ("Cc", "Zl", "Zp") else c for c in text)
 
 
 def _in_template(text: str) -> str:

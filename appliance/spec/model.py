@@ -62,6 +62,8 @@ def _address(value: str) -> str:
     if value == "localhost":
         return value
     try:
+        if "%" in value:  # an IPv6 zone (fe80::1%eth0): systemd's IPAddressAllow= and nft take none
+            raise ValueError
         ipaddress.ip_address(value)
     except ValueError:
         raise ValueError(
@@ -210,6 +212,8 @@ class Network(Strict):
     def _cidrs(cls, value: list[str]) -> list[str]:
         for cidr in value:
             try:
+                if "%" in cidr:  # an IPv6 zone: systemd's IPAddressAllow= and nft take none
+                    raise ValueError("a zone (%) has no place in a network")
                 ipaddress.ip_network(cidr, strict=True)
             except ValueError as exc:
                 raise ValueError(f"{cidr!r} is not a network in CIDR form ({exc}); write e.g. 192.168.1.0/24") from None

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import grp
 import json
@@ -193,10 +194,8 @@ def _try_as(who: Account, wanted: Sequence[Access]) -> list[int]:
     held: dict[Path, int] = {}
     for access in wanted:
         if access.inode_only:
-            try:
+            with contextlib.suppress(OSError):  # nothing for systemd to bind either: refused below
                 held[access.path] = os.open(access.path, os.O_PATH)
-            except OSError:
-                pass  # nothing for systemd to bind either: refused below
     os.setgroups(list(who.groups))
     os.setgid(who.gid)
     os.setuid(who.uid)

@@ -1,0 +1,187 @@
+"""The units follow what validate found about the sandbox: files bound out of homes and /tmp, the one capability
+for a low port, access tried as the service user. The nspawn tests start these units for real."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLE_FACTS
+from test_rendered_checks import _service_settings
+
+from appliance.plan.resolved import resolve
+from appliance.plan.validate import validate
+from appliance.render.apply import installed_spec_path
+from appliance.render.check import check_tree
+from appliance.render.render import render
+from appliance.spec.problems import SpecInvalid
+from appliance.system import paths
+from appliance.system.users import Access, account, denied_as, drop_to
+
+SERVICE = account()
+needs_service_user = pytest.mark.skipif(
+    SERVICE is None, reason="the llm-appliance user does not exist (.ci/run makes it)"
+)
+
+
+def _units(spec: Path) -> dict[str, dict[str, list[str]]]:
+    files = render(resolve(validate(spec, facts=EXAMPLE_FACTS["demo.toml"]).plan, installed_spec_path(spec)))
+    return {
+        name: _service_settings(files[f"etc/systemd/system/{unit}"])
+        for name, unit in (
+            ("server", paths.SERVER_UNIT),
+            ("health", paths.HEALTH_UNIT),
+            ("restart", paths.RESTART_UNIT),
+        )
+    }
+
+
+def _demo(example: Callable[..., Path], **edits: str) -> Path:
+    return example("demo.toml", {'path = "$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf"': "", **edits})
+
+
+def test_a_model_in_a_home_is_bound_alone_and_the_rest_stays_hidden(
+    example: Callable[..., Path], home_dir: Path, fixture_models: Path
+) -> None:
+    model = home_dir / "models" / "smol.gguf"
+    model.parent.mkdir(exist_ok=True)
+    shutil.copy(fixture_models / "SmolLM2-135M-Instruct.Q4_1.gguf", model)
+    spec = example("demo.toml")
+    spec.write_text(spec.read_text().replace(str(fixture_models / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(model)))
+    units = _units(spec)
+    assert units["server"]["ProtectHome"] == ["tmpfs"]
+    assert units["server"]["BindReadOnlyPaths"] == [f'"{model}"']
+    # Only the server opens models: the other units keep their homes shut.
+    assert units["health"]["ProtectHome"] == ["yes"] and "BindReadOnlyPaths" not in units["health"]
+    assert units["restart"]["ProtectHome"] == ["yes"]
+    files = render(resolve(validate(spec, facts=EXAMPLE_FACTS["demo.toml"]).plan, installed_spec_path(spec)))
+    assert check_tree(files).rejections == ()
+
+
+def test_a_link_into_a_home_binds_the_file_it_leads_to(
+    example: Callable[..., Path], home_dir: Path, fixture_models: Path, outside_tmp: Path
+) -> None:
+    blob = home_dir / "blobs" / "9f86d08"
+    blob.parent.mkdir(exist_ok=True)
+    shutil.copy(fixture_models / "SmolLM2-135M-Instruct.Q4_1.gguf", blob)
+    link = outside_tmp / "linked.gguf"
+    link.unlink(missing_ok=True)
+    link.symlink_to(blob)
+    spec = example("demo.toml")
+    spec.write_text(spec.read_text().replace(str(fixture_models / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(link)))
+    assert _units(spec)["server"]["BindReadOnlyPaths"] == [f'"{blob}"']
+
+
+def test_a_model_in_tmp_is_bound_and_warned_of(
+    example: Callable[..., Path], fixture_models: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "smol.gguf"
+    shutil.copy(fixture_models / "SmolLM2-135M-Instruct.Q4_1.gguf", model)
+    model.chmod(0o644)
+    spec = example("demo.toml")
+    spec.write_text(spec.read_text().replace(str(fixture_models / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(model)))
+    result = validate(spec, facts=EXAMPLE_FACTS["demo.toml"])
+    assert [w.field for w in result.warnings] == ["models.target.path", "models.draft.path"]
+    assert "empties /tmp at boot" in result.warnings[0].message
+    assert _units(spec)["server"]["BindReadOnlyPaths"] == [f'"{model}"']
+
+
+@pytest.mark.parametrize(("port", "granted"), [(8080, False), (80, True)])
+def test_a_low_server_port_gets_the_one_capability(example: Callable[..., Path], port: int, granted: bool) -> None:
+    units = _units(example("demo.toml", {"port = 8080": f"port = {port}"}))
+    server = units["server"]
+    if granted:
+        assert server["CapabilityBoundingSet"] == ["CAP_NET_BIND_SERVICE"]
+        assert server["AmbientCapabilities"] == ["CAP_NET_BIND_SERVICE"]
+        assert "PrivateUsers" not in server  # in a user namespace of its own the capability would not count
+    else:
+        assert server["CapabilityBoundingSet"] == [""] and server["AmbientCapabilities"] == [""]
+        assert server["PrivateUsers"] == ["yes"]
+    assert units["health"]["CapabilityBoundingSet"] == [""]
+
+
+def test_a_low_exporter_port_gets_the_capability_in_the_health_unit(example: Callable[..., Path]) -> None:
+    units = _units(example("demo.toml", {"port = 9478": "port = 443"}))
+    assert units["health"]["AmbientCapabilities"] == ["CAP_NET_BIND_SERVICE"]
+    assert units["server"]["AmbientCapabilities"] == [""]
+
+
+@pytest.mark.parametrize(
+    ("name", "refused"),
+    [
+        ("appliance.toml", False),
+        ("my appliance.toml", False),
+        ("a\nExecStartPre=x.toml", True),
+        ("a\u2028b.toml", True),
+    ],
+)
+def test_the_spec_files_name_cannot_break_a_header_line(
+    tmp_path: Path, example: Callable[..., Path], name: str, refused: bool
+) -> None:
+    spec = tmp_path / name
+    spec.write_text(example("demo.toml").read_text())
+    if not refused:
+        validate(spec, facts=EXAMPLE_FACTS["demo.toml"])
+        return
+    with pytest.raises(SpecInvalid) as caught:
+        validate(spec, facts=EXAMPLE_FACTS["demo.toml"])
+    assert [p.field for p in caught.value.errors] == ["(the spec file's name)"]
+    assert "rename the file" in caught.value.errors[0].fix
+
+
+def test_a_schedule_in_the_past_is_warned_of(example: Callable[..., Path]) -> None:
+    spec = example("demo.toml", {"max_per_hour = 6": 'max_per_hour = 6\nschedule = "2020-01-01"'})
+    warnings = validate(spec, facts=EXAMPLE_FACTS["demo.toml"]).warnings
+    assert [(w.field, "never comes again" in w.message) for w in warnings] == [("restart.schedule", True)]
+
+
+# --- access as the service user, for real -------------------------------------------------------------------
+
+
+@needs_service_user
+def test_access_is_tried_as_the_service_user(outside_tmp: Path) -> None:
+    assert SERVICE is not None
+    closed = outside_tmp / "access-closed"
+    closed.mkdir(mode=0o700, exist_ok=True)
+    inside = closed / "model.gguf"
+    inside.write_text("x")
+    inside.chmod(0o644)
+    secret = outside_tmp / "access-secret.gguf"
+    secret.write_text("x")
+    secret.chmod(0o600)
+    group = outside_tmp / "access-group.gguf"
+    group.write_text("x")
+    os.chown(group, 0, SERVICE.gid)
+    group.chmod(0o640)
+    wanted = [Access(inside), Access(inside, inode_only=True), Access(secret), Access(group)]
+    refused = denied_as(SERVICE, wanted)
+    assert set(refused) == {Access(inside), Access(secret)}
+    assert f"{closed} (mode 0700) does not let llm-appliance reach it" in refused[Access(inside)]
+
+
+@needs_service_user
+def test_dropping_to_the_service_user_can_keep_the_bind_capability_alone() -> None:
+    """`up` started by root for a port below 1024 keeps CAP_NET_BIND_SERVICE, ambient, as the unit would."""
+    assert SERVICE is not None
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - reports through the pipe
+        answers = []
+        try:
+            drop_to(SERVICE, bind_low_ports=True)
+            with socket.socket() as low:
+                low.bind(("127.0.0.1", 0))  # any port: the point is the capability set below
+            status = Path("/proc/self/status").read_text()
+            answers = [line.split()[1] for line in status.splitlines() if line.startswith(("CapEff", "CapAmb", "Uid"))]
+        finally:
+            os.write(write_end, " ".join(answers).encode())
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        said = pipe.read().split()
+    os.waitpid(pid, 0)
+    assert said == [str(SERVICE.uid), "0000000000000400", "0000000000000400"]  # bit 10: CAP_NET_BIND_SERVICE
