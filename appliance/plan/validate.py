@@ -5,6 +5,7 @@ This is the one place that reads model files and probes the machine; `plan.py` s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,9 +78,7 @@ def validate(path: Path, facts: MachineFacts | None = None, vocab_reader: VocabR
     located = [loaded.locate(p) for p in found]
     if result is None or any(p.severity is Severity.ERROR for p in located):
         raise SpecInvalid(located)
-    return Validated(
-        loaded, facts, Plan(result.spec, result.argv, result.budgets, tuple(located), result.target, result.draft)
-    )
+    return Validated(loaded, facts, dataclasses.replace(result, problems=tuple(located)))
 
 
 def _vocab_problems(target: Path, draft: Path, facts: MachineFacts, reader: VocabReader) -> list[Problem]:
