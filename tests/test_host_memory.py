@@ -1,5 +1,5 @@
 """The machine's own memory: /proc/meminfo, the host budget from real GGUF headers, the refusal of a spec
-whose host memory does not fit."""
+whose host memory does not fit, the resolved figure and the server unit's MemoryHigh=."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import gpu_facts
+from conftest import gpu_facts, resolved
 
 from appliance.facts.gguf import read_model
 from appliance.facts.machine import gather
 from appliance.facts.meminfo import HostMemory, MeminfoError, parse_meminfo, read_meminfo
 from appliance.plan.budget import MIB, gpu_weight_bytes
 from appliance.plan.host import DEFAULT_CACHE_RAM_MIB, HOST, cache_ram_mib, cpu_weight_bytes, host_budget
+from appliance.plan.resolved import Appliance
 from appliance.plan.validate import validate
+from appliance.render.render import render
 from appliance.spec.load import load_spec
 from appliance.spec.model import Spec
 from appliance.spec.problems import Severity, SpecInvalid
@@ -185,6 +187,25 @@ def test_a_kv_cache_beyond_the_hosts_ram_is_refused_with_the_context_that_fits(
     assert plan.host is not None and 0 <= -plan.host.over_bytes < 2 * SMOLLM2_KV_PER_TOKEN * 256
     with pytest.raises(SpecInvalid):
         validate(demo_with(example, fitting + 256), facts=gpu_facts())
+
+
+def test_the_planned_host_bytes_are_resolved_and_bound_the_server_unit(example: Callable[..., Path]) -> None:
+    spec = demo_with(example, 4096)
+    appliance = resolved(spec, gpu_facts())
+    plan = validate(spec, facts=gpu_facts()).plan
+    assert plan.host is not None
+    assert appliance.planned_host_bytes == plan.host.used_bytes == sum(line.bytes for line in plan.host.lines)
+    assert appliance.host_usable_bytes == int(HOST_MIB * MIB * 0.9)
+    assert Appliance.from_document(appliance.document()) == appliance
+    unit = render(appliance)["etc/systemd/system/llm-appliance-server.service"]
+    assert f"\nMemoryHigh={-(-int(HOST_MIB * MIB * 0.9) // MIB)}M\n" in unit
+    assert f"MemoryHigh={10800}M" in unit  # 12000 MiB x 0.9
+    # a snapshot from before the field reads as "unknown", and an unknown host renders no MemoryHigh=
+    document = appliance.document()
+    del document["resolved"]["planned_host_bytes"], document["resolved"]["host_usable_bytes"]
+    old = Appliance.from_document(document)
+    assert (old.planned_host_bytes, old.host_usable_bytes) == (0, 0)
+    assert "MemoryHigh" not in render(old)["etc/systemd/system/llm-appliance-server.service"]
 
 
 def test_a_spec_load_keeps_the_new_fields(example: Callable[..., Path]) -> None:

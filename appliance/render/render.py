@@ -15,6 +15,7 @@ from pathlib import Path
 import jinja2
 
 from appliance import __version__
+from appliance.plan.budget import MIB
 from appliance.plan.resolved import SNAPSHOT, Appliance, Endpoint
 from appliance.system import paths
 
@@ -37,6 +38,7 @@ class View:
     server_device_nodes: tuple[str, ...]
     health_device_nodes: tuple[str, ...]
     mlock: bool
+    memory_high: str | None  # MemoryHigh= of the server unit: the host budget's usable RAM, in MiB
     allow_v4: str  # nftables set elements, comma-separated
     allow_v6: str
     server_allow: tuple[str, ...]  # IPAddressAllow= of the server unit, besides localhost
@@ -87,6 +89,7 @@ def view(appliance: Appliance) -> View:
         server_device_nodes=appliance.server_device_nodes,
         health_device_nodes=appliance.health_device_nodes,
         mlock="mlock" in spec.server.load_mode,
+        memory_high=f"{-(-appliance.host_usable_bytes // MIB)}M" if appliance.host_usable_bytes else None,
         allow_v4=", ".join(allow_v4),
         allow_v6=", ".join(allow_v6),
         server_allow=appliance.server_ip_allow,
