@@ -23,6 +23,7 @@ from appliance.facts.dialect import builtin_dialect
 from appliance.facts.gguf import ModelInfo
 from appliance.facts.gpu import GpuMemory
 from appliance.facts.machine import MachineFacts
+from appliance.facts.meminfo import HostMemory
 from appliance.ops.models import GEMMA3, SMOLLM2
 from appliance.plan.plan import Plan
 from appliance.plan.resolved import Appliance, resolve
@@ -96,8 +97,8 @@ def appliance_of(spec: Spec, **changes: object) -> Appliance:
     return dataclasses.replace(resolve(plan, Path("/etc/llm-appliance/test.toml")), **changes)  # type: ignore[arg-type]
 
 
-def gpu_facts(*totals_gib: float) -> MachineFacts:
-    """A machine with GPUs of these sizes, the built-in flag dialect, and no engine binary found."""
+def gpu_facts(*totals_gib: float, host_gib: float = 64) -> MachineFacts:
+    """A machine with GPUs of these sizes and `host_gib` of RAM, the built-in flag dialect, no engine binary found."""
     gpus = tuple(
         GpuMemory(i, "NVIDIA GeForce RTX 4090", int(t * GIB), 0, int(t * GIB)) for i, t in enumerate(totals_gib)
     )
@@ -107,6 +108,7 @@ def gpu_facts(*totals_gib: float) -> MachineFacts:
         binary=None,
         dialect=builtin_dialect(),
         dialect_note=None,
+        host_memory=HostMemory(int(host_gib * GIB), int(host_gib * GIB) // 2),
     )
 
 

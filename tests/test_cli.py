@@ -162,6 +162,11 @@ def test_explain(cli: Run, demo: Path, fixture_models: Path) -> None:
     assert f"dialect: {find_binary(load_spec(demo).spec)}\n" in out
     assert "    --spec-type draft-simple \\\n" in out
     assert "no GPU device in the plan (CPU only)" in out
+    host = out[out.index("\nhost RAM: ") : out.index("\nwarnings:")]
+    assert re.search(r"host RAM: \d+\.\d\d of \d+\.\d\d GiB usable \(\d+\.\d\d GiB x 0\.9\)", host), host
+    assert "  target KV cache on the CPU (f16/f16, 30 layers, 4096 cells) " in host
+    assert "  prompt cache (--cache-ram 8192 MiB, filled over time) " in host
+    assert "  (available now, MemAvailable: " in host
     assert out.endswith("warnings:\n  none\n")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from appliance.facts.dialect import builtin_dialect, read_binary_dialect
 from appliance.facts.engine import Manifest
 from appliance.ops import engine, models
-from appliance.plan.budget import lines
+from appliance.plan.budget import GIB, lines
 from appliance.plan.resolved import SNAPSHOT, Appliance, changed_fields, resolve
 from appliance.plan.validate import Validated, validate
 from appliance.render.apply import changes, installed_spec_path, reload_system, write
@@ -62,6 +62,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     print("\nmemory budget:")
     budget = list(lines(plan.budgets))
     print("\n".join(budget) if budget else "  no GPU device in the plan (CPU only)")
+    print("\n".join(lines((plan.host,))) if plan.host else "  host RAM unknown: not budgeted")
+    available = result.facts.host_memory.available_bytes if result.facts.host_memory else None
+    if plan.host and available is not None:
+        print(f"  (available now, MemAvailable: {available / GIB:.2f} GiB)")
     print("\nwarnings:")
     print(report(result.warnings) if result.warnings else "  none")
     return EXIT_OK

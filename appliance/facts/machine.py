@@ -12,6 +12,7 @@ from pathlib import Path
 
 from appliance.facts.dialect import Dialect, builtin_dialect, read_binary_dialect
 from appliance.facts.gpu import GpuMemory, Nvml, NvmlUnavailable, Pynvml
+from appliance.facts.meminfo import MEMINFO, HostMemory, MeminfoError, read_meminfo
 from appliance.spec.model import DEFAULT_BINARY, Spec
 from appliance.system.run import CommandFailed
 
@@ -23,6 +24,8 @@ class MachineFacts:
     binary: Path | None  # the llama-server that will run, when found
     dialect: Dialect
     dialect_note: str | None  # why the built-in dialect was used, when it was
+    host_memory: HostMemory | None = None  # the machine's RAM; None when it cannot be read
+    host_memory_error: str | None = None  # why it cannot
 
     def gpu(self, device: str) -> GpuMemory | None:
         return next((g for g in self.gpus if g.device == device), None)
@@ -40,7 +43,7 @@ def find_binary(spec: Spec) -> Path | None:
     return None
 
 
-def gather(spec: Spec, nvml: Nvml | None = None) -> MachineFacts:
+def gather(spec: Spec, nvml: Nvml | None = None, meminfo: Path = MEMINFO) -> MachineFacts:
     nvml = nvml or Pynvml()
     gpus: tuple[GpuMemory, ...] = ()
     nvml_error = None
@@ -59,4 +62,9 @@ def gather(spec: Spec, nvml: Nvml | None = None) -> MachineFacts:
         except (OSError, CommandFailed) as exc:
             dialect = builtin_dialect()
             note = f"{binary} --help failed ({exc}); planned with the built-in dialect"
-    return MachineFacts(gpus, nvml_error, binary, dialect, note)
+    host_memory, host_memory_error = None, None
+    try:
+        host_memory = read_meminfo(meminfo)
+    except MeminfoError as exc:
+        host_memory_error = str(exc)
+    return MachineFacts(gpus, nvml_error, binary, dialect, note, host_memory, host_memory_error)

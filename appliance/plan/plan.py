@@ -1,7 +1,7 @@
 """From spec, model headers and machine facts to the plan: the exact argv, the memory budget, warnings.
 
 Pure: no file is read and no command run here; `validate.py` gathers the inputs. The argv is built in
-argv.py, the budget in budget.py, the device rules in devices.py.
+argv.py, the GPU budgets in budget.py, the host's in host.py, the device rules in devices.py.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from appliance.facts.machine import MachineFacts
 from appliance.plan.argv import build_argv
 from appliance.plan.budget import DeviceBudget, budgets, over_budget
 from appliance.plan.devices import draft_in_use, gpu_devices, offloaded_layers
+from appliance.plan.host import host_budget
 from appliance.plan.sandbox import Sandbox
 from appliance.spec.model import Spec
 from appliance.spec.problems import Problem, warning
@@ -27,6 +28,7 @@ class Plan:
     target: ModelInfo
     draft: ModelInfo | None
     sandbox: Sandbox = field(default_factory=Sandbox)  # what validate found the units must bind
+    host: DeviceBudget | None = None  # host RAM; None when the machine's RAM is unknown
 
     @property
     def speculation(self) -> bool:
@@ -85,4 +87,6 @@ def plan(spec: Spec, facts: MachineFacts, target: ModelInfo, draft: ModelInfo | 
     found += budget_problems
     found += model_problems(spec, target, draft)
     found += [over_budget(spec, b, per_token[b.device]) for b in device_budgets if b.over_bytes > 0]
-    return Plan(spec, argv, device_budgets, tuple(found), target, draft)
+    host, host_problems, _ = host_budget(spec, facts, target, draft)
+    found += host_problems
+    return Plan(spec, argv, device_budgets, tuple(found), target, draft, host)

@@ -88,6 +88,8 @@ class Appliance:
     health_device_nodes: tuple[str, ...]  # what NVML opens for the health daemon (read-write)
     planned_vram_bytes: dict[str, int]
     min_free_bytes: int
+    planned_host_bytes: int  # the host budget's use; 0 when the machine's RAM was unknown
+    host_usable_bytes: int  # what validation held it to (MemTotal x host_memory_utilization); 0: unknown
     slot_ctx: int
     state_file: Path
     baseline_file: Path
@@ -138,6 +140,8 @@ class Appliance:
                 "health_device_nodes": list(self.health_device_nodes),
                 "planned_vram_bytes": dict(self.planned_vram_bytes),
                 "min_free_bytes": self.min_free_bytes,
+                "planned_host_bytes": self.planned_host_bytes,
+                "host_usable_bytes": self.host_usable_bytes,
                 "slot_ctx": self.slot_ctx,
                 "state_file": str(self.state_file),
                 "baseline_file": str(self.baseline_file),
@@ -169,6 +173,8 @@ class Appliance:
             health_device_nodes=tuple(str(n) for n in r["health_device_nodes"]),
             planned_vram_bytes={str(k): int(v) for k, v in r["planned_vram_bytes"].items()},
             min_free_bytes=int(r["min_free_bytes"]),
+            planned_host_bytes=int(r.get("planned_host_bytes", 0)),
+            host_usable_bytes=int(r.get("host_usable_bytes", 0)),
             slot_ctx=int(r["slot_ctx"]),
             state_file=Path(r["state_file"]),
             baseline_file=Path(r["baseline_file"]),
@@ -214,6 +220,8 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
         health_device_nodes=(NVIDIA_CONTROL, *gpu_nodes) if devices else (),
         planned_vram_bytes={b.device: b.used_bytes for b in plan.budgets},
         min_free_bytes=spec.health.min_free_mib << 20,
+        planned_host_bytes=plan.host.used_bytes if plan.host else 0,
+        host_usable_bytes=plan.host.usable_bytes if plan.host else 0,
         slot_ctx=spec.server.slot_ctx,
         state_file=state_dir / "health-state.json",
         baseline_file=spec.health.baseline_file,

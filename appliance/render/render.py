@@ -16,6 +16,7 @@ from pathlib import Path
 import jinja2
 
 from appliance import __version__
+from appliance.plan.budget import MIB
 from appliance.plan.resolved import SNAPSHOT, Appliance, Endpoint
 from appliance.system import paths
 
@@ -41,11 +42,10 @@ class View:
     server_device_nodes: tuple[str, ...]
     health_device_nodes: tuple[str, ...]
     mlock: bool
-    server_binds: tuple[
-        str, ...
-    ]  # BindReadOnlyPaths= of each unit, quoted (sandbox.py refuses what quotes cannot carry)
+    server_binds: tuple[str, ...]  # BindReadOnlyPaths= of each unit, quoted (sandbox.py refused the rest)
     health_binds: tuple[str, ...]
     restart_binds: tuple[str, ...]
+    memory_high: str | None  # MemoryHigh= of the server unit: the host budget's usable RAM, in MiB
     allow_v4: str  # nftables set elements, comma-separated
     allow_v6: str
     server_allow: tuple[str, ...]  # IPAddressAllow= of the server unit, besides localhost
@@ -103,6 +103,7 @@ def view(appliance: Appliance) -> View:
         server_binds=tuple(f'"{path}"' for path in appliance.server_binds),
         health_binds=tuple(f'"{path}"' for path in appliance.health_binds),
         restart_binds=tuple(f'"{path}"' for path in appliance.restart_binds),
+        memory_high=f"{-(-appliance.host_usable_bytes // MIB)}M" if appliance.host_usable_bytes else None,
         allow_v4=", ".join(allow_v4),
         allow_v6=", ".join(allow_v6),
         server_allow=appliance.server_ip_allow,

@@ -201,6 +201,11 @@ class Memory(Strict):
     compute_headroom_mib: Annotated[int, Field(ge=0, le=1_048_576)] = 1024
     # Totals for machines where NVML cannot tell (and for tests): {"CUDA0" = 24576}.
     device_total_mib: dict[str, Annotated[int, Field(gt=0, le=16_777_216)]] = {}
+    # The share of the machine's RAM the server may plan to use: the OS, the page cache of everything else,
+    # the health daemon and sshd need the rest.
+    host_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9
+    # The machine's RAM where /proc/meminfo cannot tell (and for tests); MiB.
+    host_total_mib: Annotated[int, Field(gt=0, le=1_073_741_824)] | None = None
 
 
 class Network(Strict):

@@ -1,0 +1,170 @@
+"""The memory budget of the machine itself: what llama.cpp and llama-server keep in host RAM, against
+MemTotal x memory.host_memory_utilization; and the error, with fixes, when the plan does not fit. Pure.
+
+Measured with bench/host_memory.py on the demo (SmolLM2-135M as target and draft, CPU, f16 cache): VmRSS
+417 MiB at ctx 4096 and 1679 MiB at ctx 32768, against 364 and 1624 MiB of planned weights and KV cache:
+the rest (compute buffers of 18 and 46 MiB per model, libraries) is well inside the 1024 MiB headroom.
+"""
+
+from __future__ import annotations
+
+from appliance.facts.gguf import ModelInfo
+from appliance.facts.machine import MachineFacts
+from appliance.plan.budget import GIB, KV_CELL_PAD, MIB, BudgetLine, DeviceBudget, kv_bytes_per_token, kv_cells
+from appliance.plan.devices import draft_devices, draft_in_use, gpu_devices
+from appliance.spec.model import Model, Spec
+from appliance.spec.problems import Problem, error, warning
+
+HOST = "host RAM"
+CACHE_RAM_FLAGS = ("--cache-ram", "-cram")
+# llama-server's --cache-ram default (common/common.h, `--help`): its prompt cache keeps the KV state of
+# past prompts in host RAM, up to this many MiB, whether the KV cache itself is on a GPU or not.
+DEFAULT_CACHE_RAM_MIB = 8192
+
+
+def cpu_weight_bytes(info: ModelInfo, layers_on_gpu: int) -> int:
+    """The weights llama.cpp leaves on the CPU: the blocks below the offloaded ones, the input embedding
+    always (llama-model.cpp load_tensors; see budget.gpu_weight_bytes), and the output layer unless offloaded."""
+    if layers_on_gpu <= 0:
+        return info.weight_bytes
+    first_gpu_layer = max(0, info.block_count + 1 - layers_on_gpu)
+    blocks = sum(t.n_bytes for t in info.tensors if t.layer is not None and t.layer < first_gpu_layer)
+    return blocks + sum(t.n_bytes for t in info.tensors if t.name == "token_embd.weight")
+
+
+def cache_ram_mib(spec: Spec) -> int | None:
+    """The prompt cache's cap as the server will run: --cache-ram from server.extra_args, else the default;
+    None for -1 (no limit)."""
+    args = spec.server.extra_args
+    value = None
+    for index, arg in enumerate(args):
+        name, equals, inline = arg.partition("=")
+        if name in CACHE_RAM_FLAGS:
+            value = inline if equals else args[index + 1] if index + 1 < len(args) else None
+    try:
+        mib = int(value) if value is not None else DEFAULT_CACHE_RAM_MIB
+    except ValueError:  # llama-server refuses it at start; the plan keeps the default
+        mib = DEFAULT_CACHE_RAM_MIB
+    return None if mib < 0 else mib
+
+
+def layers_on_gpu(model: Model, info: ModelInfo, devices: list[str]) -> int:
+    """devices.offloaded_layers, for the devices the model actually runs on: a draft without devices of its
+    own follows the target's (devices.draft_devices)."""
+    if not devices:
+        return 0
+    if model.gpu_layers in ("all", "auto"):
+        return info.block_count + 1
+    assert isinstance(model.gpu_layers, int)
+    return min(model.gpu_layers, info.block_count + 1)
+
+
+def _model_lines(
+    role: str, model: Model, devices: list[str], info: ModelInfo, spec: Spec
+) -> tuple[list[BudgetLine], float]:
+    layers = layers_on_gpu(model, info, devices)
+    gpu_kv_layers = max(layers - 1, 0)  # as budget.py: the output layer has no KV cache
+    cpu_kv_layers = info.block_count - gpu_kv_layers
+    # The KV cache of a block stays with the block: of those left on the CPU, here.
+    per_token = kv_bytes_per_token(info, model.cache_type_k, model.cache_type_v) - kv_bytes_per_token(
+        info, model.cache_type_k, model.cache_type_v, gpu_kv_layers
+    )
+    cells = kv_cells(spec.server.ctx_size)
+    found = []
+    # Counted whatever the load mode: mmapped weights are page cache, which the kernel may evict, but a CPU
+    # layer reads all of its weights for every token, so evicted weights come back from disk at every step.
+    weights = cpu_weight_bytes(info, layers)
+    if weights:
+        found.append(
+            BudgetLine(f"{role} weights on the CPU ({info.file_type}, {cpu_kv_layers} layers + input)", weights)
+        )
+    if per_token:
+        found.append(
+            BudgetLine(
+                f"{role} KV cache on the CPU ({model.cache_type_k}/{model.cache_type_v}, {cpu_kv_layers} layers, {cells} cells)",
+                int(per_token * cells),
+            )
+        )
+    return found, per_token
+
+
+def host_lines(spec: Spec, target: ModelInfo, draft: ModelInfo | None) -> tuple[list[BudgetLine], float]:
+    """What the server keeps in host RAM, a line each, and the bytes per token of context among them."""
+    lines, per_token = _model_lines("target", spec.models.target, gpu_devices(spec.models.target), target, spec)
+    if spec.models.draft is not None and draft is not None and draft_in_use(spec):
+        draft_lines, draft_per_token = _model_lines("draft", spec.models.draft, draft_devices(spec), draft, spec)
+        lines += draft_lines
+        per_token += draft_per_token
+    # One headroom for the CPU backend, not one per model: its compute buffers measured 18 MiB (ctx 4096)
+    # and 46 MiB (ctx 32768) per model for SmolLM2; the rest covers the launcher and the server's own heap.
+    lines.append(
+        BudgetLine(
+            "CPU compute buffers, processes (memory.compute_headroom_mib)", spec.memory.compute_headroom_mib * MIB
+        )
+    )
+    cache = cache_ram_mib(spec)
+    if cache:
+        # A cap, filled over time (one entry per distinct prompt, the KV state of its tokens): counted whole,
+        # as a server that fits at start and is killed hours later, once the cache is full, is the failure
+        # this budget is for.
+        lines.append(BudgetLine(f"prompt cache (--cache-ram {cache} MiB, filled over time)", cache * MIB))
+    return lines, per_token
+
+
+def host_budget(
+    spec: Spec, facts: MachineFacts, target: ModelInfo, draft: ModelInfo | None
+) -> tuple[DeviceBudget | None, list[Problem], float]:
+    """The host budget (None when the machine's RAM is unknown), its problems, and its bytes per token."""
+    lines, per_token = host_lines(spec, target, draft)
+    found = []
+    if cache_ram_mib(spec) is None:
+        found.append(
+            warning(
+                "server.extra_args",
+                "--cache-ram -1 lets llama-server's prompt cache grow without limit: it is not in the host budget",
+                "give --cache-ram a size in MiB (llama-server's default is 8192)",
+            )
+        )
+    if spec.memory.host_total_mib is not None:
+        total = spec.memory.host_total_mib * MIB
+    elif facts.host_memory is not None:
+        total = facts.host_memory.total_bytes
+    else:
+        found.append(
+            warning(
+                "memory.host_total_mib",
+                f"cannot tell how much RAM this machine has ({facts.host_memory_error or 'no /proc/meminfo'}): "
+                "the host memory is not budgeted",
+                "set memory.host_total_mib = 65536 (MiB)",
+            )
+        )
+        return None, found, per_token
+    budget = DeviceBudget(HOST, total, spec.memory.host_memory_utilization, tuple(lines))
+    if budget.over_bytes > 0:
+        found.append(over_host_budget(spec, budget, per_token))
+    return budget, found, per_token
+
+
+def over_host_budget(spec: Spec, budget: DeviceBudget, per_token: float) -> Problem:
+    fixed = budget.used_bytes - per_token * kv_cells(spec.server.ctx_size)
+    fitting_ctx = int((budget.usable_bytes - fixed) // per_token) // KV_CELL_PAD * KV_CELL_PAD if per_token else 0
+    fixes = []
+    if fitting_ctx >= KV_CELL_PAD:
+        fixes.append(f"server.ctx_size = {fitting_ctx} or less")
+    models = [m for m in (spec.models.target, spec.models.draft) if m is not None]
+    if per_token and any(m.cache_type_k in ("f32", "f16", "bf16") for m in models):
+        fixes.append('cache_type_k/cache_type_v = "q8_0" (half the KV memory)')
+    cache = cache_ram_mib(spec)
+    if cache:
+        fixes.append(f'a smaller prompt cache: server.extra_args = ["--cache-ram", "2048"] (now {cache} MiB)')
+    if any(gpu_devices(m) for m in models):
+        fixes.append('more layers on the GPU (gpu_layers = "all")')
+    fixes.append("a smaller quantization of the target")
+    table = "; ".join(f"{line.label} {line.bytes / GIB:.2f} GiB" for line in budget.lines)
+    return error(
+        "server.ctx_size",
+        f"{budget.device} is over budget by {budget.over_bytes / GIB:.2f} GiB: needs {budget.used_bytes / GIB:.2f} GiB, "
+        f"usable {budget.usable_bytes / GIB:.2f} GiB ({budget.total_bytes / GIB:.2f} GiB x {budget.utilization}, "
+        f"memory.host_memory_utilization) [{table}]; llama-server would swap or be killed by the kernel's OOM killer",
+        "; or ".join(fixes),
+    )

@@ -1,0 +1,213 @@
+"""The machine's own memory: /proc/meminfo, the host budget from real GGUF headers, the refusal of a spec
+whose host memory does not fit, the resolved figure and the server unit's MemoryHigh=."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import gpu_facts, resolved
+
+from appliance.facts.gguf import read_model
+from appliance.facts.machine import gather
+from appliance.facts.meminfo import HostMemory, MeminfoError, parse_meminfo, read_meminfo
+from appliance.plan.budget import MIB, gpu_weight_bytes
+from appliance.plan.host import DEFAULT_CACHE_RAM_MIB, HOST, cache_ram_mib, cpu_weight_bytes, host_budget
+from appliance.plan.resolved import Appliance
+from appliance.plan.validate import validate
+from appliance.render.render import render
+from appliance.spec.load import load_spec
+from appliance.spec.model import Spec
+from appliance.spec.problems import Severity, SpecInvalid
+
+# SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K + V) x f16
+SMOLLM2_KV_PER_TOKEN = 30 * 3 * 64 * 2 * 2
+
+# --- /proc/meminfo ---
+
+
+def test_reads_this_machines_meminfo() -> None:
+    memory = read_meminfo()
+    text = Path("/proc/meminfo").read_text()
+    total_kib = int(re.search(r"^MemTotal:\s+(\d+) kB$", text, re.M).group(1))  # type: ignore[union-attr]
+    assert memory.total_bytes == total_kib * 1024
+    assert memory.available_bytes is not None and 0 < memory.available_bytes <= memory.total_bytes
+
+
+def test_parses_meminfo_text() -> None:
+    text = "MemTotal:       24683796 kB\nMemFree:        23666572 kB\nMemAvailable:   23400000 kB\nHugePages_Total:       0\n"
+    assert parse_meminfo(text) == HostMemory(24683796 * 1024, 23400000 * 1024)
+    # Linux before 3.14 has no MemAvailable
+    assert parse_meminfo("MemTotal: 1024 kB\n") == HostMemory(1024 * 1024, None)
+
+
+@pytest.mark.parametrize("text", ["", "MemFree: 10 kB\n", "MemTotal: lots\n", "MemTotal: 0 kB\n"])
+def test_meminfo_without_a_total_is_an_error(text: str) -> None:
+    with pytest.raises(MeminfoError, match="no MemTotal"):
+        parse_meminfo(text)
+
+
+def test_gather_reads_the_meminfo_it_is_given(tmp_path: Path, smollm2: Path) -> None:
+    spec = Spec.model_validate({"models": {"target": {"path": str(smollm2)}}})
+    fake = tmp_path / "meminfo"
+    fake.write_text("MemTotal: 2048 kB\nMemAvailable: 1024 kB\n")
+    assert gather(spec, meminfo=fake).host_memory == HostMemory(2 << 20, 1 << 20)
+    missing = gather(spec, meminfo=tmp_path / "absent")
+    assert missing.host_memory is None
+    assert missing.host_memory_error == f"cannot read {tmp_path / 'absent'}: No such file or directory"
+
+
+# --- the host budget, from real headers ---
+
+
+def cpu_spec(path: Path, **server: object) -> Spec:
+    model = {"path": str(path), "devices": ["none"], "gpu_layers": 0}
+    return Spec.model_validate({"server": {"ctx_size": 4096, **server}, "models": {"target": model, "draft": model}})
+
+
+def test_cpu_only_counts_every_weight_and_the_whole_kv_cache(smollm2: Path) -> None:
+    info = read_model(smollm2)
+    budget, problems, per_token = host_budget(cpu_spec(smollm2), gpu_facts(), info, info)
+    assert problems == [] and budget is not None
+    assert budget.device == HOST
+    assert per_token == 2 * SMOLLM2_KV_PER_TOKEN
+    assert [line.bytes for line in budget.lines] == [
+        info.weight_bytes,
+        SMOLLM2_KV_PER_TOKEN * 4096,
+        info.weight_bytes,
+        SMOLLM2_KV_PER_TOKEN * 4096,
+        1024 * MIB,
+        DEFAULT_CACHE_RAM_MIB * MIB,
+    ]
+    assert budget.total_bytes == 64 << 30 and budget.usable_bytes == int((64 << 30) * 0.9)
+
+
+@pytest.mark.parametrize("model", ["smollm2", "target-27b-Q4_K_M.gguf"])
+def test_every_weight_is_on_the_cpu_or_the_gpu(model: str, smollm2: Path, fixture_models: Path) -> None:
+    """A real header: whatever the split, CPU + GPU hold every tensor once, and the input embedding twice
+    when the output is tied to it (llama.cpp copies it to the GPU's output layer)."""
+    info = read_model(smollm2 if model == "smollm2" else fixture_models / model)
+    embedding = next(t.n_bytes for t in info.tensors if t.name == "token_embd.weight")
+    tied = not any(t.name == "output.weight" for t in info.tensors)
+    assert cpu_weight_bytes(info, 0) == info.weight_bytes
+    for layers in range(1, info.block_count + 2):
+        both = cpu_weight_bytes(info, layers) + gpu_weight_bytes(info, layers)
+        assert both == info.weight_bytes + (embedding if tied else 0), layers
+    assert cpu_weight_bytes(info, info.block_count + 1) == embedding
+
+
+def test_a_partial_offload_leaves_the_lower_layers_and_their_kv_on_the_host(fixture_models: Path) -> None:
+    info = read_model(fixture_models / "target-27b-Q4_K_M.gguf")  # 64 layers, 4 KV heads x 128 dims
+    spec = Spec.model_validate({"models": {"target": {"path": str(info.path), "devices": ["CUDA0"], "gpu_layers": 41}}})
+    budget, problems, per_token = host_budget(spec, gpu_facts(24), info, None)
+    assert problems == [] and budget is not None
+    # 41 offloaded = the output layer + the last 40 blocks: 24 blocks stay, with their KV cache.
+    assert per_token == 24 * 4 * 128 * 2 * 2
+    by_label = {line.label: line.bytes for line in budget.lines}
+    assert by_label["target KV cache on the CPU (f16/f16, 24 layers, 8192 cells)"] == per_token * 8192
+    assert by_label["target weights on the CPU (Q4_K_M, 24 layers + input)"] == cpu_weight_bytes(info, 41)
+
+
+def test_a_draft_without_devices_follows_the_target_to_the_gpu(smollm2: Path) -> None:
+    info = read_model(smollm2)
+    spec = Spec.model_validate(
+        {"models": {"target": {"path": str(smollm2), "devices": ["CUDA0"]}, "draft": {"path": str(smollm2)}}}
+    )
+    budget, _, per_token = host_budget(spec, gpu_facts(24), info, info)
+    assert per_token == 0 and budget is not None
+    assert [line.label for line in budget.lines if "draft" in line.label] == [
+        "draft weights on the CPU (Q4_1, 0 layers + input)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "mib"),
+    [([], 8192), (["--cache-ram", "2048"], 2048), (["--cache-ram=0"], 0), (["-cram", "-1"], None), (["-cram"], 8192)],
+)
+def test_the_prompt_cache_cap_comes_from_extra_args(extra: list[str], mib: int | None, smollm2: Path) -> None:
+    spec = cpu_spec(smollm2, extra_args=extra)
+    assert cache_ram_mib(spec) == mib
+    info = read_model(smollm2)
+    budget, problems, _ = host_budget(spec, gpu_facts(), info, info)
+    assert budget is not None
+    cache = [line.bytes for line in budget.lines if line.label.startswith("prompt cache")]
+    assert cache == ([mib * MIB] if mib else [])
+    assert [p.field for p in problems] == (["server.extra_args"] if mib is None else [])
+
+
+def test_unknown_host_memory_is_a_warning_and_no_budget(smollm2: Path) -> None:
+    info = read_model(smollm2)
+    facts = dataclasses.replace(gpu_facts(), host_memory=None, host_memory_error="cannot read /proc/meminfo: gone")
+    budget, [problem], _ = host_budget(cpu_spec(smollm2), facts, info, info)
+    assert budget is None
+    assert problem.severity is Severity.WARNING and problem.field == "memory.host_total_mib"
+    assert "cannot read /proc/meminfo: gone" in problem.message
+    stated = cpu_spec(smollm2).model_copy(
+        update={"memory": cpu_spec(smollm2).memory.model_copy(update={"host_total_mib": 16384})}
+    )
+    budget, problems, _ = host_budget(stated, facts, info, info)
+    assert problems == [] and budget is not None and budget.total_bytes == 16384 * MIB
+
+
+# --- validate: refused over, valid under ---
+
+# The fixed part of the demo's host budget, MiB: 2 x SmolLM2 weights (~92), headroom 1024, prompt cache 8192.
+HOST_MIB = 12000
+
+
+def demo_with(example: Callable[..., Path], ctx: int) -> Path:
+    return example(
+        "demo.toml",
+        {"ctx_size = 4096": f"ctx_size = {ctx}", "[network]": f"[memory]\nhost_total_mib = {HOST_MIB}\n\n[network]"},
+    )
+
+
+def test_a_kv_cache_beyond_the_hosts_ram_is_refused_with_the_context_that_fits(
+    example: Callable[..., Path], smollm2: Path
+) -> None:
+    spec = demo_with(example, 65536)
+    with pytest.raises(SpecInvalid) as caught:
+        validate(spec, facts=gpu_facts(host_gib=512))  # memory.host_total_mib wins over the facts
+    [problem] = caught.value.errors
+    assert problem.field == "server.ctx_size" and problem.file == spec and problem.line is not None
+    assert problem.message.startswith("host RAM is over budget by ")
+    assert f"({HOST_MIB / 1024:.2f} GiB x 0.9, memory.host_memory_utilization)" in problem.message
+    assert "draft KV cache on the CPU (f16/f16, 30 layers, 65536 cells) 1.41 GiB" in problem.message
+    assert '--cache-ram", "2048"] (now 8192 MiB)' in problem.fix and 'cache_type_v = "q8_0"' in problem.fix
+    fitting = int(re.search(r"server.ctx_size = (\d+) or less", problem.fix).group(1))  # type: ignore[union-attr]
+    info = read_model(smollm2)
+    fixed = 2 * info.weight_bytes + (1024 + 8192) * MIB
+    assert fitting == (int(HOST_MIB * MIB * 0.9) - fixed) // (2 * SMOLLM2_KV_PER_TOKEN) // 256 * 256
+
+    # the fitting context validates, right under the limit; one step more does not
+    plan = validate(demo_with(example, fitting), facts=gpu_facts()).plan
+    assert plan.host is not None and 0 <= -plan.host.over_bytes < 2 * SMOLLM2_KV_PER_TOKEN * 256
+    with pytest.raises(SpecInvalid):
+        validate(demo_with(example, fitting + 256), facts=gpu_facts())
+
+
+def test_the_planned_host_bytes_are_resolved_and_bound_the_server_unit(example: Callable[..., Path]) -> None:
+    spec = demo_with(example, 4096)
+    appliance = resolved(spec, gpu_facts())
+    plan = validate(spec, facts=gpu_facts()).plan
+    assert plan.host is not None
+    assert appliance.planned_host_bytes == plan.host.used_bytes == sum(line.bytes for line in plan.host.lines)
+    assert appliance.host_usable_bytes == int(HOST_MIB * MIB * 0.9)
+    assert Appliance.from_document(appliance.document()) == appliance
+    unit = render(appliance)["etc/systemd/system/llm-appliance-server.service"]
+    assert f"\nMemoryHigh={-(-int(HOST_MIB * MIB * 0.9) // MIB)}M\n" in unit
+    assert f"MemoryHigh={10800}M" in unit  # 12000 MiB x 0.9
+    # a snapshot from before the field reads as "unknown", and an unknown host renders no MemoryHigh=
+    document = appliance.document()
+    del document["resolved"]["planned_host_bytes"], document["resolved"]["host_usable_bytes"]
+    old = Appliance.from_document(document)
+    assert (old.planned_host_bytes, old.host_usable_bytes) == (0, 0)
+    assert "MemoryHigh" not in render(old)["etc/systemd/system/llm-appliance-server.service"]
+
+
+def test_a_spec_load_keeps_the_new_fields(example: Callable[..., Path]) -> None:
+    memory = load_spec(demo_with(example, 4096)).spec.memory
+    assert (memory.host_total_mib, memory.host_memory_utilization) == (HOST_MIB, 0.9)
