@@ -15,7 +15,7 @@ from appliance.facts.gguf import read_model
 from appliance.facts.machine import gather
 from appliance.facts.meminfo import HostMemory, MeminfoError, parse_meminfo, read_meminfo
 from appliance.plan.budget import MIB, gpu_weight_bytes
-from appliance.plan.host import DEFAULT_CACHE_RAM_MIB, HOST, cache_ram_mib, cpu_weight_bytes, host_budget
+from appliance.plan.host import DEFAULT_CACHE_RAM_MIB, HOST, cache_ram_setting, cpu_weight_bytes, host_budget
 from appliance.plan.resolved import Appliance
 from appliance.plan.validate import validate
 from appliance.render.render import render
@@ -70,7 +70,8 @@ def cpu_spec(path: Path, **server: object) -> Spec:
 
 def test_cpu_only_counts_every_weight_and_the_whole_kv_cache(smollm2: Path) -> None:
     info = read_model(smollm2)
-    budget, problems, per_token = host_budget(cpu_spec(smollm2), gpu_facts(), info, info)
+    planned = host_budget(cpu_spec(smollm2), gpu_facts(), info, info)
+    budget, problems, per_token = planned.budget, planned.problems, planned.per_token
     assert problems == [] and budget is not None
     assert budget.device == HOST
     assert per_token == 2 * SMOLLM2_KV_PER_TOKEN
@@ -102,7 +103,8 @@ def test_every_weight_is_on_the_cpu_or_the_gpu(model: str, smollm2: Path, fixtur
 def test_a_partial_offload_leaves_the_lower_layers_and_their_kv_on_the_host(fixture_models: Path) -> None:
     info = read_model(fixture_models / "target-27b-Q4_K_M.gguf")  # 64 layers, 4 KV heads x 128 dims
     spec = Spec.model_validate({"models": {"target": {"path": str(info.path), "devices": ["CUDA0"], "gpu_layers": 41}}})
-    budget, problems, per_token = host_budget(spec, gpu_facts(24), info, None)
+    planned = host_budget(spec, gpu_facts(24), info, None)
+    budget, problems, per_token = planned.budget, planned.problems, planned.per_token
     assert problems == [] and budget is not None
     # 41 offloaded = the output layer + the last 40 blocks: 24 blocks stay, with their KV cache.
     assert per_token == 24 * 4 * 128 * 2 * 2
@@ -116,7 +118,8 @@ def test_a_draft_without_devices_follows_the_target_to_the_gpu(smollm2: Path) ->
     spec = Spec.model_validate(
         {"models": {"target": {"path": str(smollm2), "devices": ["CUDA0"]}, "draft": {"path": str(smollm2)}}}
     )
-    budget, _, per_token = host_budget(spec, gpu_facts(24), info, info)
+    planned = host_budget(spec, gpu_facts(24), info, info)
+    budget, _, per_token = planned.budget, planned.problems, planned.per_token
     assert per_token == 0 and budget is not None
     assert [line.label for line in budget.lines if "draft" in line.label] == [
         "draft weights on the CPU (Q4_1, 0 layers + input)"
@@ -124,38 +127,57 @@ def test_a_draft_without_devices_follows_the_target_to_the_gpu(smollm2: Path) ->
 
 
 @pytest.mark.parametrize(
-    ("extra", "mib"),
-    [([], 8192), (["--cache-ram", "2048"], 2048), (["--cache-ram=0"], 0), (["-cram", "-1"], None), (["-cram"], 8192)],
+    ("extra", "line", "sized"),
+    [
+        ([], "prompt cache (--cache-ram 8192 MiB: what the budget leaves, at most 8192)", 8192),
+        (["--cache-ram", "2048"], "prompt cache (--cache-ram 2048 MiB from extra_args, filled over time)", None),
+        (["--cache-ram=0"], None, None),
+        (["-cram", "-1"], None, None),
+    ],
 )
-def test_the_prompt_cache_cap_comes_from_extra_args(extra: list[str], mib: int | None, smollm2: Path) -> None:
-    spec = cpu_spec(smollm2, extra_args=extra)
-    assert cache_ram_mib(spec) == mib
+def test_the_prompt_cache_is_sized_unless_extra_args_size_it(
+    extra: list[str], line: str | None, sized: int | None, smollm2: Path
+) -> None:
     info = read_model(smollm2)
-    budget, problems, _ = host_budget(spec, gpu_facts(), info, info)
-    assert budget is not None
-    cache = [line.bytes for line in budget.lines if line.label.startswith("prompt cache")]
-    assert cache == ([mib * MIB] if mib else [])
-    assert [p.field for p in problems] == (["server.extra_args"] if mib is None else [])
+    planned = host_budget(cpu_spec(smollm2, extra_args=extra), gpu_facts(), info, info)
+    assert planned.budget is not None and planned.cache_ram_mib == sized
+    assert [x.label for x in planned.budget.lines if x.label.startswith("prompt cache")] == ([line] if line else [])
+    assert [p.field for p in planned.problems] == (["server.extra_args"] if extra[-1:] == ["-1"] else [])
+
+
+def test_a_small_machine_gets_the_prompt_cache_that_fits(smollm2: Path) -> None:
+    """What the budget leaves, not llama-server's 8 GiB: the demo stays valid on an 8 GiB box."""
+    info = read_model(smollm2)
+    spec = cpu_spec(smollm2, extra_args=[])
+    spec = spec.model_copy(update={"memory": spec.memory.model_copy(update={"host_total_mib": 4096})})
+    planned = host_budget(spec, gpu_facts(), info, info)
+    assert planned.problems == [] and planned.budget is not None
+    assert 0 < planned.cache_ram_mib < DEFAULT_CACHE_RAM_MIB  # type: ignore[operator]
+    assert -MIB < planned.budget.over_bytes <= 0  # filled to the MiB
+    assert cache_ram_setting(spec) is None
 
 
 def test_unknown_host_memory_is_a_warning_and_no_budget(smollm2: Path) -> None:
     info = read_model(smollm2)
     facts = dataclasses.replace(gpu_facts(), host_memory=None, host_memory_error="cannot read /proc/meminfo: gone")
-    budget, [problem], _ = host_budget(cpu_spec(smollm2), facts, info, info)
+    planned = host_budget(cpu_spec(smollm2), facts, info, info)
+    budget, [problem], _ = planned.budget, planned.problems, planned.per_token
     assert budget is None
     assert problem.severity is Severity.WARNING and problem.field == "memory.host_total_mib"
     assert "cannot read /proc/meminfo: gone" in problem.message
     stated = cpu_spec(smollm2).model_copy(
         update={"memory": cpu_spec(smollm2).memory.model_copy(update={"host_total_mib": 16384})}
     )
-    budget, problems, _ = host_budget(stated, facts, info, info)
+    planned = host_budget(stated, facts, info, info)
+    budget, problems, _ = planned.budget, planned.problems, planned.per_token
     assert problems == [] and budget is not None and budget.total_bytes == 16384 * MIB
 
 
 # --- validate: refused over, valid under ---
 
-# The fixed part of the demo's host budget, MiB: 2 x SmolLM2 weights (~92), headroom 1024, prompt cache 8192.
-HOST_MIB = 12000
+# The fixed part of the demo's host budget, MiB: 2 x SmolLM2 weights (~92), headroom 1024; the prompt cache gets
+# what is left, none when nothing is.
+HOST_MIB = 4000
 
 
 def demo_with(example: Callable[..., Path], ctx: int) -> Path:
@@ -176,10 +198,11 @@ def test_a_kv_cache_beyond_the_hosts_ram_is_refused_with_the_context_that_fits(
     assert problem.message.startswith("host RAM is over budget by ")
     assert f"({HOST_MIB / 1024:.2f} GiB x 0.9, memory.host_memory_utilization)" in problem.message
     assert "draft KV cache on the CPU (f16/f16, 30 layers, 65536 cells) 1.41 GiB" in problem.message
-    assert '--cache-ram", "2048"] (now 8192 MiB)' in problem.fix and 'cache_type_v = "q8_0"' in problem.fix
+    assert "prompt cache (--cache-ram 0 MiB: what the budget leaves, at most 8192) 0.00 GiB" in problem.message
+    assert 'cache_type_v = "q8_0"' in problem.fix
     fitting = int(re.search(r"server.ctx_size = (\d+) or less", problem.fix).group(1))  # type: ignore[union-attr]
     info = read_model(smollm2)
-    fixed = 2 * info.weight_bytes + (1024 + 8192) * MIB
+    fixed = 2 * info.weight_bytes + 1024 * MIB
     assert fitting == (int(HOST_MIB * MIB * 0.9) - fixed) // (2 * SMOLLM2_KV_PER_TOKEN) // 256 * 256
 
     # the fitting context validates, right under the limit; one step more does not
@@ -199,7 +222,7 @@ def test_the_planned_host_bytes_are_resolved_and_bound_the_server_unit(example: 
     assert Appliance.from_document(appliance.document()) == appliance
     unit = render(appliance)["etc/systemd/system/llm-appliance-server.service"]
     assert f"\nMemoryHigh={-(-int(HOST_MIB * MIB * 0.9) // MIB)}M\n" in unit
-    assert f"MemoryHigh={10800}M" in unit  # 12000 MiB x 0.9
+    assert "MemoryHigh=3600M" in unit  # 4000 MiB x 0.9
     # a snapshot from before the field reads as "unknown", and an unknown host renders no MemoryHigh=
     document = appliance.document()
     del document["resolved"]["planned_host_bytes"], document["resolved"]["host_usable_bytes"]

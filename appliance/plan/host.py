@@ -8,6 +8,8 @@ the rest (compute buffers of 18 and 46 MiB per model, libraries) is well inside 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from appliance.facts.gguf import ModelInfo
 from appliance.facts.machine import MachineFacts
 from appliance.plan.budget import GIB, KV_CELL_PAD, MIB, BudgetLine, DeviceBudget, kv_bytes_per_token, kv_cells
@@ -32,20 +34,20 @@ def cpu_weight_bytes(info: ModelInfo, layers_on_gpu: int) -> int:
     return blocks + sum(t.n_bytes for t in info.tensors if t.name == "token_embd.weight")
 
 
-def cache_ram_mib(spec: Spec) -> int | None:
-    """The prompt cache's cap as the server will run: --cache-ram from server.extra_args, else the default;
-    None for -1 (no limit)."""
+def cache_ram_setting(spec: Spec) -> int | None:
+    """--cache-ram as server.extra_args sets it, in MiB (-1: no limit); None when they do not set it."""
     args = spec.server.extra_args
     value = None
     for index, arg in enumerate(args):
         name, equals, inline = arg.partition("=")
         if name in CACHE_RAM_FLAGS:
-            value = inline if equals else args[index + 1] if index + 1 < len(args) else None
+            value = inline if equals else args[index + 1] if index + 1 < len(args) else ""
+    if value is None:
+        return None
     try:
-        mib = int(value) if value is not None else DEFAULT_CACHE_RAM_MIB
-    except ValueError:  # llama-server refuses it at start; the plan keeps the default
-        mib = DEFAULT_CACHE_RAM_MIB
-    return None if mib < 0 else mib
+        return int(value)
+    except ValueError:  # llama-server refuses it at start (the dialect check names extra_args)
+        return DEFAULT_CACHE_RAM_MIB
 
 
 def layers_on_gpu(model: Model, info: ModelInfo, devices: list[str]) -> int:
@@ -102,28 +104,38 @@ def host_lines(spec: Spec, target: ModelInfo, draft: ModelInfo | None) -> tuple[
             "CPU compute buffers, processes (memory.compute_headroom_mib)", spec.memory.compute_headroom_mib * MIB
         )
     )
-    cache = cache_ram_mib(spec)
-    if cache:
-        # A cap, filled over time (one entry per distinct prompt, the KV state of its tokens): counted whole,
-        # as a server that fits at start and is killed hours later, once the cache is full, is the failure
-        # this budget is for.
-        lines.append(BudgetLine(f"prompt cache (--cache-ram {cache} MiB, filled over time)", cache * MIB))
     return lines, per_token
 
 
+@dataclass(frozen=True)
+class HostPlan:
+    budget: DeviceBudget | None  # None when the machine's RAM is unknown
+    problems: list[Problem]
+    per_token: float
+    cache_ram_mib: int | None  # what the plan passes as --cache-ram; None: nothing (extra_args, or no budget)
+
+
 def host_budget(
-    spec: Spec, facts: MachineFacts, target: ModelInfo, draft: ModelInfo | None
-) -> tuple[DeviceBudget | None, list[Problem], float]:
-    """The host budget (None when the machine's RAM is unknown), its problems, and its bytes per token."""
+    spec: Spec, facts: MachineFacts, target: ModelInfo, draft: ModelInfo | None, prompt_cache: bool = True
+) -> HostPlan:
+    """The host budget and its problems. llama-server's prompt cache keeps the KV state of past prompts in host
+    RAM up to --cache-ram (default 8192 MiB), filling over time: a server that fits at start would be killed
+    hours later. So, unless extra_args size it, the plan gives it what the budget leaves, at most the default
+    (`prompt_cache`: the binary has one)."""
     lines, per_token = host_lines(spec, target, draft)
     found = []
-    if cache_ram_mib(spec) is None:
+    setting = cache_ram_setting(spec)
+    if setting is not None and setting < 0:
         found.append(
             warning(
                 "server.extra_args",
                 "--cache-ram -1 lets llama-server's prompt cache grow without limit: it is not in the host budget",
-                "give --cache-ram a size in MiB (llama-server's default is 8192)",
+                f"give --cache-ram a size in MiB, or leave it out: the plan then sizes it (at most {DEFAULT_CACHE_RAM_MIB})",
             )
+        )
+    elif setting:
+        lines.append(
+            BudgetLine(f"prompt cache (--cache-ram {setting} MiB from extra_args, filled over time)", setting * MIB)
         )
     if spec.memory.host_total_mib is not None:
         total = spec.memory.host_total_mib * MIB
@@ -138,11 +150,16 @@ def host_budget(
                 "set memory.host_total_mib = 65536 (MiB)",
             )
         )
-        return None, found, per_token
+        return HostPlan(None, found, per_token, None)
     budget = DeviceBudget(HOST, total, spec.memory.host_memory_utilization, tuple(lines))
+    sized = None
+    if setting is None and prompt_cache:
+        sized = max(0, min(DEFAULT_CACHE_RAM_MIB, -budget.over_bytes // MIB))
+        label = f"prompt cache (--cache-ram {sized} MiB: what the budget leaves, at most {DEFAULT_CACHE_RAM_MIB})"
+        budget = DeviceBudget(HOST, total, budget.utilization, (*lines, BudgetLine(label, sized * MIB)))
     if budget.over_bytes > 0:
         found.append(over_host_budget(spec, budget, per_token))
-    return budget, found, per_token
+    return HostPlan(budget, found, per_token, sized)
 
 
 def over_host_budget(spec: Spec, budget: DeviceBudget, per_token: float) -> Problem:
@@ -154,9 +171,9 @@ def over_host_budget(spec: Spec, budget: DeviceBudget, per_token: float) -> Prob
     models = [m for m in (spec.models.target, spec.models.draft) if m is not None]
     if per_token and any(m.cache_type_k in ("f32", "f16", "bf16") for m in models):
         fixes.append('cache_type_k/cache_type_v = "q8_0" (half the KV memory)')
-    cache = cache_ram_mib(spec)
-    if cache:
-        fixes.append(f'a smaller prompt cache: server.extra_args = ["--cache-ram", "2048"] (now {cache} MiB)')
+    setting = cache_ram_setting(spec)
+    if setting:
+        fixes.append(f"a smaller prompt cache: --cache-ram in server.extra_args (now {setting} MiB), or none there")
     if any(gpu_devices(m) for m in models):
         fixes.append('more layers on the GPU (gpu_layers = "all")')
     fixes.append("a smaller quantization of the target")

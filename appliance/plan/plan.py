@@ -87,6 +87,8 @@ def plan(spec: Spec, facts: MachineFacts, target: ModelInfo, draft: ModelInfo | 
     found += budget_problems
     found += model_problems(spec, target, draft)
     found += [over_budget(spec, b, per_token[b.device]) for b in device_budgets if b.over_bytes > 0]
-    host, host_problems, _ = host_budget(spec, facts, target, draft)
-    found += host_problems
-    return Plan(spec, argv, device_budgets, tuple(found), target, draft, host)
+    host = host_budget(spec, facts, target, draft, prompt_cache="--cache-ram" in facts.dialect.flags)
+    found += host.problems
+    if host.cache_ram_mib is not None:
+        argv = (*argv, "--cache-ram", str(host.cache_ram_mib))
+    return Plan(spec, argv, device_budgets, tuple(found), target, draft, host=host.budget)

@@ -21,6 +21,7 @@ from appliance.system.users import Access, account, denied_as
 API_KEY = "server.api_key_file"
 SCRAPE_KEY = "prometheus.scrape_key_file"
 USER = paths.SERVICE_USER
+PROMETHEUS_USER = "prometheus"  # as Debian's prometheus package creates it
 
 
 def key_problems(spec: Spec) -> list[Problem]:
@@ -34,6 +35,9 @@ def key_problems(spec: Spec) -> list[Problem]:
     scrape = spec.prometheus.scrape_key_file
     if scrape is not None:
         found += _scrape_key(scrape, keys)
+    sent = scrape or api
+    if sent is not None and sent.is_file():
+        found += _prometheus_reads(SCRAPE_KEY if scrape else API_KEY, sent)
     elif keys is not None and len(keys) > 1:
         found.append(
             error(
@@ -169,6 +173,26 @@ def _scrape_key(path: Path, keys: list[str] | None) -> list[Problem]:
             )
         )
     return found
+
+
+def _prometheus_reads(field: str, path: Path) -> list[Problem]:
+    """The scrape job's key, tried as the user a Prometheus on this machine runs as. A warning: the server starts
+    either way, and Prometheus may run on another machine; but here its scrape would fail, and the alerts fire."""
+    who = account(PROMETHEUS_USER)
+    if who is None:
+        return []
+    refused = denied_as(who, [Access(path)]).get(Access(path))
+    if refused is None:
+        return []
+    return [
+        warning(
+            field,
+            f"the llama-server scrape job sends {path}, and {PROMETHEUS_USER} (the user Prometheus runs as here) "
+            f"cannot read it: {refused}; the scrape would fail and LlmApplianceServerDown fire",
+            f"give Prometheus a key file of its own: install -m 0640 -o root -g {PROMETHEUS_USER} /dev/null FILE, "
+            "write one of the keys into it, set prometheus.scrape_key_file = FILE",
+        )
+    ]
 
 
 def _user(uid: int) -> str:
