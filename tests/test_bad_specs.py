@@ -436,7 +436,7 @@ BAD = [
         {TARGET_PATH: 'path = "$OUTSIDE/private/target.gguf"'},
         "models.target.path",
         "llm-appliance, the user the units run as, cannot read",
-        "usermod -aG GROUP llm-appliance",
+        "chgrp llm-appliance",
         at="private/target.gguf",
     ),
     Case(

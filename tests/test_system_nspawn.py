@@ -486,7 +486,7 @@ def test_models_in_a_group_readable_directory_need_the_group(machine: Machine) -
     )
     spec = _spec(machine, "group", {f"/var/lib/llm-appliance/models/{SMOLLM2}": f"/srv/models/{SMOLLM2}"})
     said = _refused(machine, spec, "models.target.path", "llm-appliance, the user the units run as, cannot read")
-    assert "usermod -aG GROUP llm-appliance" in said
+    assert "usermod -aG models llm-appliance" in said
     machine.run("usermod -aG models llm-appliance")
     _serve(machine, spec)
     assert _status(machine) == "200"
@@ -524,6 +524,23 @@ def test_an_api_key_is_asked_of_every_client(machine: Machine) -> None:
     _serve(machine, _spec(machine, "key", {"port = 8080": 'port = 8080\napi_key_file = "/etc/llm-appliance/api-keys"'}))
     assert _status(machine) == "401"
     assert _status(machine, key="contract-key") == "200"
+
+
+def test_a_cpu_context_at_the_ram_limit_starts(machine: Machine) -> None:
+    """The context validate says fits a 2000 MiB machine (the demo's KV cache on the CPU), and the unit's
+    MemoryHigh= at that budget: the server reaches READY and answers, as planned."""
+    edits = {"[network]": "[memory]\nhost_total_mib = 2000\n\n[network]"}
+    too_big = _spec(machine, "ram", {**edits, "ctx_size = 4096": "ctx_size = 65536"})
+    said = _refused(machine, too_big, "host RAM is over budget by")
+    fitting = int(re.search(r"server.ctx_size = (\d+) or less", said).group(1))  # type: ignore[union-attr]
+    assert 4096 < fitting < 65536
+    _serve(machine, _spec(machine, "ram", {**edits, "ctx_size = 4096": f"ctx_size = {fitting}"}))
+    assert _status(machine) == "200"
+    assert machine.run("systemctl show -p MemoryHigh llm-appliance-server.service").stdout.strip() == (
+        f"MemoryHigh={1800 * 1024 * 1024}"
+    )
+    argv = machine.run(f"tr '\\0' ' ' < /proc/{server_pid(machine)}/cmdline").stdout
+    assert f"--ctx-size {fitting} " in argv and "--cache-ram " in argv, argv
 
 
 def test_the_demo_spec_serves_again(machine: Machine) -> None:

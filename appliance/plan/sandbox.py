@@ -13,6 +13,7 @@ Validation, not planning: it reads the file system, as validate.py does.
 
 from __future__ import annotations
 
+import grp
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,7 +132,7 @@ def sandbox(spec: Spec, binary: str) -> tuple[Sandbox, list[Problem]]:
         # A file that does not exist has its own error (the model, the key) or warning (the binary, before
         # `engine install`); the baseline may come later, from `bench`.
         if path.exists() and not opened.checked_elsewhere:
-            wanted[Access(path, execute=opened.execute, inode_only=bool(bound) and not opened.execute)] = opened
+            wanted[Access(path, execute=opened.execute, inode_only=bool(bound))] = opened
     found += _readable(wanted)
     box = Sandbox(*(tuple(dict.fromkeys(binds[unit])) for unit in ("server", "health", "restart")))
     return box, found
@@ -139,27 +140,38 @@ def sandbox(spec: Spec, binary: str) -> tuple[Sandbox, list[Problem]]:
 
 def _readable(wanted: dict[Access, _Opened]) -> list[Problem]:
     who = account()
-    if who is None:
+    if who is None and wanted:
         return [
             warning(
-                opened.field,
-                f"cannot check that {paths.SERVICE_USER} can {'run' if opened.execute else 'read'} {access.path}: "
-                "the user does not exist on this machine yet",
+                next(iter(wanted.values())).field,
+                f"cannot check that {paths.SERVICE_USER} can read the files its units open: the user does not exist "
+                "on this machine yet",
                 "install.sh creates it; validate again after",
             )
-            for access, opened in wanted.items()
-        ][:1]
+        ]
+    if who is None:
+        return []
     found = []
     for access, reason in denied_as(who, list(wanted)).items():
         opened = wanted[access]
         verb = "run" if opened.execute else "read"
+        group = _group(access.path)
+        # Never "join root's group": that would open every root:root 0640 file to a compromised server.
+        join = f", or add it to the file's group (usermod -aG {group} {who.name})" if group != "root" else ""
         found.append(
             error(
                 opened.field,
                 f"{who.name}, the user the units run as, cannot {verb} {access.path}: {reason}",
                 f"let it: chgrp {who.group_name} {access.path} && chmod g+r{'x' if opened.execute else ''} "
-                f"{access.path} (and g+x on each directory on the way), or add it to the file's group "
-                f"(usermod -aG GROUP {who.name}), or move the file to {opened.move_to}/",
+                f"{access.path} (and g+x on each directory on the way){join}, or move the file to {opened.move_to}/",
             )
         )
     return found
+
+
+def _group(path: Path) -> str:
+    gid = os.stat(path).st_gid
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
