@@ -1085,7 +1085,7 @@ def test_a_key_file_cannot_be_checked_before_the_service_user_exists(
 ) -> None:
     import appliance.plan.secrets
 
-    monkeypatch.setattr(appliance.plan.secrets, "account", lambda: None)
+    monkeypatch.setattr(appliance.plan.secrets, "account", lambda *_: None)
     spec = example("appliance.toml", replace={LOOPBACK: f'{LOOPBACK}\napi_key_file = "{key_files}/root-only.key"'})
     result = validate(spec, facts=EXAMPLE_FACTS["appliance.toml"])
     [warning] = result.warnings

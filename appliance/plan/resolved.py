@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -259,7 +260,8 @@ def _flatten(document: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def _change(old: Any, new: Any) -> str:
     if isinstance(old, list) and isinstance(new, list) and len(old) + len(new) > 8:
         # A long list (the argv) reads better as what left it and what joined it.
-        gone = [item for item in old if item not in new]
-        added = [item for item in new if item not in old]
+        # Counted, not looked up: an argv may hold the same word twice ("8192" as context and as cache).
+        gone = list((Counter(old) - Counter(new)).elements())
+        added = list((Counter(new) - Counter(old)).elements())
         return f"without {json.dumps(gone)}, with {json.dumps(added)}"
     return f"{json.dumps(old)} -> {json.dumps(new)}"

@@ -35,9 +35,6 @@ def key_problems(spec: Spec) -> list[Problem]:
     scrape = spec.prometheus.scrape_key_file
     if scrape is not None:
         found += _scrape_key(scrape, keys)
-    sent = scrape or api
-    if sent is not None and sent.is_file():
-        found += _prometheus_reads(SCRAPE_KEY if scrape else API_KEY, sent)
     elif keys is not None and len(keys) > 1:
         found.append(
             error(
@@ -47,6 +44,9 @@ def key_problems(spec: Spec) -> list[Problem]:
                 "put the one key Prometheus uses in a file of its own and set prometheus.scrape_key_file to it",
             )
         )
+    sent = scrape or api
+    if sent is not None and sent.is_file():
+        found += _prometheus_reads(SCRAPE_KEY if scrape else API_KEY, sent)
     return found
 
 
