@@ -94,7 +94,11 @@ class Machine:
             if result.returncode == 0:
                 return result.stdout
             if time.monotonic() > deadline:
-                journal = self.run("journalctl --no-pager -n 80 -u 'llm-appliance-*'", check=False).stdout
+                # Each unit's own tail: llama-server's chatter would push the health daemon's words out of one.
+                journal = self.run(
+                    "for u in server health restart; do journalctl --no-pager -n 40 -u llm-appliance-$u.service; done",
+                    check=False,
+                ).stdout
                 raise AssertionError(
                     f"timed out waiting for {what}: {result.stdout[-500:]} {result.stderr[-500:]}\njournal:\n{journal}"
                 )

@@ -453,13 +453,14 @@ def _serve(machine: Machine, spec: str) -> None:
 
 def _refused(machine: Machine, spec: str, *words: str) -> str:
     """validate and apply both exit 1 naming the problem, and apply writes nothing."""
-    before = machine.run("sha256sum /etc/llm-appliance/rendered/* /etc/systemd/system/llm-appliance-*").stdout
+    files = "find /etc/llm-appliance /etc/systemd/system -path '*llm-appliance*' -type f -exec sha256sum {} + | sort"
+    before = machine.run(files).stdout
     for command in ("validate", "apply"):
         result = machine.run(f"{CLI} {command} {spec}", check=False)
         assert result.returncode == 1, result.stdout + result.stderr
         for word in words:
             assert word in result.stderr, result.stderr
-    assert machine.run("sha256sum /etc/llm-appliance/rendered/* /etc/systemd/system/llm-appliance-*").stdout == before
+    assert machine.run(files).stdout == before
     return result.stderr
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ class CalendarUnchecked(Exception):
     """No systemd-analyze on this machine (nor a systemd to run the timer)."""
 
 
+@functools.lru_cache(maxsize=64)  # validate runs once per spec; tune and the tests, over and over
 def read_calendar(expression: str) -> Calendar:
     tool = shutil.which("systemd-analyze")
     if tool is None:

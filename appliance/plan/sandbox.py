@@ -132,7 +132,8 @@ def sandbox(spec: Spec, binary: str) -> tuple[Sandbox, list[Problem]]:
         # A file that does not exist has its own error (the model, the key) or warning (the binary, before
         # `engine install`); the baseline may come later, from `bench`.
         if path.exists() and not opened.checked_elsewhere:
-            wanted[Access(path, execute=opened.execute, inode_only=bool(bound))] = opened
+            # One problem per file: a model that is both target and draft is named once, as the target.
+            wanted.setdefault(Access(path, execute=opened.execute, inode_only=bool(bound)), opened)
     found += _readable(wanted)
     box = Sandbox(*(tuple(dict.fromkeys(binds[unit])) for unit in ("server", "health", "restart")))
     return box, found
