@@ -854,9 +854,9 @@ def bad_files(
     closed.mkdir(mode=0o700, exist_ok=True)
     private = outside_tmp / "private"
     private.mkdir(mode=0o755, exist_ok=True)
-    shutil.copy(fixture_models / "target-27b-Q4_K_M.gguf", private / "target.gguf")
+    shutil.copy(smollm2, private / "target.gguf")  # the 27B fixture is sparse: a copy would fill the disk
     (private / "target.gguf").chmod(0o600)
-    shutil.copy(fixture_models / "target-27b-Q4_K_M.gguf", home_dir / "a:b.gguf")
+    shutil.copy(smollm2, home_dir / "a:b.gguf")
     (directory / "random.gguf").write_bytes(random.Random(1).randbytes(4096))
     with smollm2.open("rb") as whole:
         head = whole.read(3 << 20)  # SmolLM2's whole header (vocabulary included) and the first tensors
