@@ -15,7 +15,7 @@ from appliance.plan.memory import Cache, ContextParams, context_memory
 from appliance.spec.model import CacheType
 
 MIB = 1 << 20
-LOG_ROUNDING_MIB = 0.005
+LOG_ROUNDING_MIB = 0.005 + 1e-9  # %.2f of an exact half (0.125 prints 0.12)
 
 pytestmark = pytest.mark.engine
 
@@ -24,11 +24,12 @@ def planned(model: Path, params: ContextParams) -> tuple[Cache, ...]:
     return context_memory(read_model(model), params)
 
 
-def assert_matches(log: LoadLog, plan: tuple[Cache, ...], params: ContextParams) -> None:
+def assert_matches(log: LoadLog, plan: tuple[Cache, ...], params: ContextParams, n_layer: int) -> None:
     assert len(log.caches) == len(plan), (log.caches, plan)
     for logged, cache in zip(log.caches, plan, strict=True):
         assert logged.kind == ("recurrent" if cache.kind == "recurrent state" else "kv")
-        assert logged.layers == len(cache.layers)
+        # llama_memory_recurrent logs hparams.n_layer(), the layers it looked at, not those it kept.
+        assert logged.layers == (n_layer if logged.kind == "recurrent" else len(cache.layers))
         assert logged.cells == cache.rows * (cache.streams if logged.kind == "recurrent" else 1)
         assert logged.seqs == params.parallel
         assert logged.types == cache.types
@@ -89,7 +90,7 @@ def run_case(engine_binary: Path, model: Path, case: Case) -> None:
         extra=extra,
     )
     params = params_of(case)
-    assert_matches(log, planned(model, params), params)
+    assert_matches(log, planned(model, params), params, read_model(model).block_count)
 
 
 @pytest.mark.parametrize("case", SMOLLM2_CASES, ids=str)
@@ -109,3 +110,34 @@ def test_gemma3_8192_cells_is_39_mib_not_144(gemma3: Path) -> None:
         ("KV cache", 3, 8192, 24),
         ("sliding-window KV cache", 15, 1024, 15),
     ]
+
+
+# Random-weight models of other layouts (tests/gguf_fixtures.py): recurrent (mamba: R and S per layer per
+# sequence) and hybrid (lfm2: attention layers in a KV cache, short-convolution layers in the recurrent state).
+TINY_CASES: list[Case] = [
+    (512, 1, "f16", "f16", "off", ()),
+    (4096, 4, "q8_0", "q8_0", "on", ()),
+    (2048, 8, "f16", "f16", "off", ("-kvu",)),
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(outside_tmp: Path, smollm2: Path) -> dict[str, Path]:
+    from gguf_fixtures import write_lfm2, write_mamba
+
+    return {
+        "mamba": write_mamba(outside_tmp / "tiny-mamba.gguf", smollm2),
+        "lfm2": write_lfm2(outside_tmp / "tiny-lfm2.gguf", smollm2),
+    }
+
+
+@pytest.mark.parametrize("arch", ["mamba", "lfm2"])
+@pytest.mark.parametrize("case", TINY_CASES, ids=str)
+def test_recurrent_and_hybrid_memory_as_logged(
+    engine_binary: Path, tiny_models: dict[str, Path], arch: str, case: Case
+) -> None:
+    model = tiny_models[arch]
+    run_case(engine_binary, model, case)
+    caches = planned(model, params_of(case))
+    assert [c.kind for c in caches] == (["recurrent state"] if arch == "mamba" else ["KV cache", "recurrent state"])
+    assert caches[-1].bytes > 0
