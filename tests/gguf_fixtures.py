@@ -112,6 +112,14 @@ def write_model(path: Path, shape: Shape, vocab_source: Path, n_vocab: int = 491
             (f"blk.{layer}.ffn_down.weight", [shape.feed_forward, e], Q6_K),
         ]
     tensors += [("output_norm.weight", [e], F32), ("output.weight", [e, n_vocab], Q6_K)]
+    return _write(path, kvs, tensors)
+
+
+def _kv_u32_array(key: str, values: list[int]) -> bytes:
+    return _string(key) + struct.pack("<IIQ", 9, 4, len(values)) + b"".join(struct.pack("<I", v) for v in values)
+
+
+def _write(path: Path, kvs: list[bytes], tensors: list[tuple[str, list[int], int]]) -> Path:
     infos, offset = [], 0
     for name, dims, ggml_type in tensors:
         infos.append(
@@ -131,3 +139,89 @@ def write_model(path: Path, shape: Shape, vocab_source: Path, n_vocab: int = 491
         out.write(header)
         out.truncate(len(header) + offset)  # sparse: the weights take no disk space
     return path
+
+
+# Tiny random-architecture models llama-server really loads (zero f32 weights; nothing is computed with
+# --no-warmup): the tensor names and shapes each arch's load_arch_tensors asks for (src/models/ARCH.cpp).
+TINY_EMBD, TINY_VOCAB = 512, 49152
+
+
+def _common(arch: str, layers: int, vocab_source: Path) -> list[bytes]:
+    return [
+        _kv_str("general.architecture", arch),
+        _kv_str("general.name", f"tiny-{arch}"),
+        _kv_u32("general.file_type", 0),
+        _kv_u32(f"{arch}.block_count", layers),
+        _kv_u32(f"{arch}.context_length", 4096),
+        _kv_u32(f"{arch}.embedding_length", TINY_EMBD),
+        _kv_f32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        *tokenizer_entries(vocab_source),
+    ]
+
+
+def write_mamba(path: Path, vocab_source: Path, layers: int = 3) -> Path:
+    """models/mamba.cpp: d_inner = 2 n_embd (the only expansion it supports), per layer ssm_in, conv1d, x, dt, A, D, out."""
+    e, d_inner, d_state, d_conv, dt_rank = TINY_EMBD, 2 * TINY_EMBD, 64, 4, 32
+    kvs = [
+        *_common("mamba", layers, vocab_source),
+        _kv_u32("mamba.feed_forward_length", 0),
+        _kv_u32("mamba.attention.head_count", 0),
+        _kv_u32("mamba.ssm.conv_kernel", d_conv),
+        _kv_u32("mamba.ssm.inner_size", d_inner),
+        _kv_u32("mamba.ssm.state_size", d_state),
+        _kv_u32("mamba.ssm.time_step_rank", dt_rank),
+    ]
+    tensors: list[tuple[str, list[int], int]] = [("token_embd.weight", [e, TINY_VOCAB], F32)]
+    for i in range(layers):
+        tensors += [
+            (f"blk.{i}.attn_norm.weight", [e], F32),
+            (f"blk.{i}.ssm_in.weight", [e, 2 * d_inner], F32),
+            (f"blk.{i}.ssm_conv1d.weight", [d_conv, d_inner], F32),
+            (f"blk.{i}.ssm_conv1d.bias", [d_inner], F32),
+            (f"blk.{i}.ssm_x.weight", [d_inner, dt_rank + 2 * d_state], F32),
+            (f"blk.{i}.ssm_dt.weight", [dt_rank, d_inner], F32),
+            (f"blk.{i}.ssm_dt.bias", [d_inner], F32),
+            (f"blk.{i}.ssm_a", [d_state, d_inner], F32),
+            (f"blk.{i}.ssm_d", [d_inner], F32),
+            (f"blk.{i}.ssm_out.weight", [d_inner, e], F32),
+        ]
+    tensors.append(("output_norm.weight", [e], F32))
+    return _write(path, kvs, tensors)
+
+
+def write_lfm2(path: Path, vocab_source: Path, kv_heads: tuple[int, ...] = (0, 0, 2, 0, 2, 0)) -> Path:
+    """models/lfm2.cpp: a layer without KV heads is a short convolution (recurrent), the others attention."""
+    e, heads, head_dim, ff, l_cache = TINY_EMBD, 4, TINY_EMBD // 4, 128, 3
+    kvs = [
+        *_common("lfm2", len(kv_heads), vocab_source),
+        _kv_u32("lfm2.feed_forward_length", ff),
+        _kv_u32("lfm2.attention.head_count", heads),
+        _kv_u32_array("lfm2.attention.head_count_kv", list(kv_heads)),
+        _kv_u32("lfm2.shortconv.l_cache", l_cache),
+    ]
+    tensors: list[tuple[str, list[int], int]] = [("token_embd.weight", [e, TINY_VOCAB], F32)]
+    for i, n_kv in enumerate(kv_heads):
+        tensors += [
+            (f"blk.{i}.ffn_norm.weight", [e], F32),
+            (f"blk.{i}.ffn_gate.weight", [e, ff], F32),
+            (f"blk.{i}.ffn_down.weight", [ff, e], F32),
+            (f"blk.{i}.ffn_up.weight", [e, ff], F32),
+            (f"blk.{i}.attn_norm.weight", [e], F32),
+        ]
+        if n_kv:
+            tensors += [
+                (f"blk.{i}.attn_q_norm.weight", [head_dim], F32),
+                (f"blk.{i}.attn_k_norm.weight", [head_dim], F32),
+                (f"blk.{i}.attn_q.weight", [e, e], F32),
+                (f"blk.{i}.attn_k.weight", [e, n_kv * head_dim], F32),
+                (f"blk.{i}.attn_v.weight", [e, n_kv * head_dim], F32),
+                (f"blk.{i}.attn_output.weight", [e, e], F32),
+            ]
+        else:
+            tensors += [
+                (f"blk.{i}.shortconv.conv.weight", [l_cache, e], F32),
+                (f"blk.{i}.shortconv.in_proj.weight", [e, 3 * e], F32),
+                (f"blk.{i}.shortconv.out_proj.weight", [e, e], F32),
+            ]
+    tensors.append(("token_embd_norm.weight", [e], F32))
+    return _write(path, kvs, tensors)

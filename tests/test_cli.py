@@ -164,7 +164,7 @@ def test_explain(cli: Run, demo: Path, fixture_models: Path) -> None:
     assert "no GPU device in the plan (CPU only)" in out
     host = out[out.index("\nhost RAM: ") : out.index("\nwarnings:")]
     assert re.search(r"host RAM: \d+\.\d\d of \d+\.\d\d GiB usable \(\d+\.\d\d GiB x 0\.9\)", host), host
-    assert "  target KV cache on the CPU (f16/f16, 30 layers, 4096 cells) " in host
+    assert "  target KV cache (f16/f16, 30 layers x 4096 cells) on the CPU " in host
     assert re.search(r"  prompt cache \(--cache-ram \d+ MiB: what the budget leaves, at most 8192\) ", host), host
     assert "  (available now, MemAvailable: " in host
     assert out.endswith("warnings:\n  none\n")

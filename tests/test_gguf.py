@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from appliance.facts.gguf import GGUFError, ModelInfo, Tensor, read_model
-from appliance.plan.budget import budgets, gpu_weight_bytes, kv_bytes_per_token, kv_cells
+from appliance.plan.budget import budgets, gpu_weight_bytes, kv_cells
+from appliance.plan.memory import ContextParams, context_memory
 from appliance.spec.model import Spec
 
 MIB = 1 << 20
@@ -183,6 +184,13 @@ def _model(metadata: dict[str, object], tensors: tuple[Tensor, ...] = ()) -> Mod
     return ModelInfo(Path("/models/hand-made.gguf"), 0, {"general.architecture": "llama", **metadata}, {}, tensors)
 
 
+def kv_bytes_per_token(info: ModelInfo, cache_k: str, cache_v: str, layers: int | None = None) -> int:
+    """Bytes per cell of the planned KV cache, over the last `layers` blocks (all by default)."""
+    params = ContextParams(256, cache_k=cache_k, cache_v=cache_v, flash_attn=True)  # type: ignore[arg-type]
+    first = 0 if layers is None else info.block_count - layers
+    return sum(c.select(lambda il: il >= first).bytes for c in context_memory(info, params)) // 256
+
+
 # llama.cpp's own worked example: 32 layers, 8 KV heads of 128 dims (Llama 3 8B).
 LLAMA3_8B = {
     "llama.block_count": 32,
@@ -315,7 +323,9 @@ def test_budget_of_a_partial_offload(gpu_layers: int | str, kv_layers: int, weig
     per_layer = 2 * 64 * 2 * 2  # 2 KV heads x 64 dims x (K + V) x f16
     assert by_label == {
         f"target weights (unknown, {kv_layers}/4 layers)": weights,
-        "target KV cache (f16/f16, 8192 cells)": kv_layers * per_layer * 8192,
+        f"target KV cache (f16/f16, {kv_layers} layer{'s' if kv_layers != 1 else ''} x 8192 cells)": kv_layers
+        * per_layer
+        * 8192,
         "target compute buffers (memory.compute_headroom_mib)": 1024 * MIB,
     }
     assert per_token == {"CUDA0": kv_layers * per_layer}

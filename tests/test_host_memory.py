@@ -109,7 +109,7 @@ def test_a_partial_offload_leaves_the_lower_layers_and_their_kv_on_the_host(fixt
     # 41 offloaded = the output layer + the last 40 blocks: 24 blocks stay, with their KV cache.
     assert per_token == 24 * 4 * 128 * 2 * 2
     by_label = {line.label: line.bytes for line in budget.lines}
-    assert by_label["target KV cache on the CPU (f16/f16, 24 layers, 8192 cells)"] == per_token * 8192
+    assert by_label["target KV cache (f16/f16, 24 layers x 8192 cells) on the CPU"] == per_token * 8192
     assert by_label["target weights on the CPU (Q4_K_M, 24 layers + input)"] == cpu_weight_bytes(info, 41)
 
 
@@ -197,7 +197,7 @@ def test_a_kv_cache_beyond_the_hosts_ram_is_refused_with_the_context_that_fits(
     assert problem.field == "server.ctx_size" and problem.file == spec and problem.line is not None
     assert problem.message.startswith("host RAM is over budget by ")
     assert f"({HOST_MIB / 1024:.2f} GiB x 0.9, memory.host_memory_utilization)" in problem.message
-    assert "draft KV cache on the CPU (f16/f16, 30 layers, 65536 cells) 1.41 GiB" in problem.message
+    assert "draft KV cache (f16/f16, 30 layers x 65536 cells) on the CPU 1.41 GiB" in problem.message
     assert "prompt cache (--cache-ram 0 MiB: what the budget leaves, at most 8192) 0.00 GiB" in problem.message
     assert 'cache_type_v = "q8_0"' in problem.fix
     fitting = int(re.search(r"server.ctx_size = (\d+) or less", problem.fix).group(1))  # type: ignore[union-attr]

@@ -153,12 +153,13 @@ class ModelInfo:
         heads = self.arch_value("attention.head_count", 0)
         kv = self.arch_value("attention.head_count_kv", heads)
         layers = self.block_count
-        return list(kv) if isinstance(kv, list) else [int(kv)] * layers
+        return [int(n) for n in kv] if isinstance(kv, list) else [int(kv)] * layers
 
     def head_dims(self) -> tuple[int, int]:
-        """(key_length, value_length); llama.cpp defaults both to embedding_length / head_count."""
+        """(key_length, value_length); llama.cpp defaults both to embedding_length / n_head(0), the first layer's
+        head count (llama-model.cpp llama_model_base::load_hparams)."""
         heads = self.arch_value("attention.head_count", 1)
-        first_heads = max(heads) if isinstance(heads, list) else int(heads)
+        first_heads = int(heads[0]) if isinstance(heads, list) and heads else int(heads or 0)
         default = int(self.arch_value("embedding_length", 0)) // max(first_heads, 1)
         return int(self.arch_value("attention.key_length", default)), int(
             self.arch_value("attention.value_length", default)

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 from appliance.facts.gguf import ModelInfo
 from appliance.facts.machine import MachineFacts
-from appliance.plan.devices import draft_devices, gpu_devices, offloaded_layers
-from appliance.spec.model import CACHE_BYTES, CacheType, Model, Spec
+from appliance.plan.devices import draft_devices, first_gpu_layer, gpu_devices, offloaded_layers
+from appliance.plan.memory import context_memory, context_params
+from appliance.spec.model import Model, Spec
 from appliance.spec.problems import Problem, error
 
 MIB = 1 << 20
@@ -57,14 +58,6 @@ def gpu_weight_bytes(info: ModelInfo, layers_on_gpu: int) -> int:
     return total
 
 
-def kv_bytes_per_token(info: ModelInfo, cache_k: CacheType, cache_v: CacheType, layers: int | None = None) -> int:
-    """Σ over layers with a KV cache of K row + V row, as llama-kv-cache.cpp allocates them."""
-    key_length, value_length = info.head_dims()
-    heads = info.kv_heads_per_layer()
-    chosen = heads if layers is None else heads[len(heads) - layers :] if layers else []
-    return int(sum(n * key_length * CACHE_BYTES[cache_k] + n * value_length * CACHE_BYTES[cache_v] for n in chosen))
-
-
 def kv_cells(ctx_size: int) -> int:
     return -(-ctx_size // KV_CELL_PAD) * KV_CELL_PAD
 
@@ -83,21 +76,21 @@ class _Usage:
 def _model_usage(usage: _Usage, role: str, model: Model, devices: list[str], info: ModelInfo, spec: Spec) -> None:
     if not devices:
         return
-    layers = offloaded_layers(model, info)
-    kv_layers = max(layers - 1, 0)  # the KV cache follows its block; the output layer has none
-    per_token = kv_bytes_per_token(info, model.cache_type_k, model.cache_type_v, kv_layers)
-    cells = kv_cells(spec.server.ctx_size)
+    layers = offloaded_layers(model, info, devices)
+    kv_layers = max(layers - 1, 0)  # the output layer has no KV cache
+    first_gpu = first_gpu_layer(info, layers)
     usage.add(
         devices,
         f"{role} weights ({info.file_type}, {kv_layers}/{info.block_count} layers)",
         gpu_weight_bytes(info, layers),
     )
-    usage.add(
-        devices,
-        f"{role} KV cache ({model.cache_type_k}/{model.cache_type_v}, {cells} cells)",
-        per_token * cells,
-        per_token,
-    )
+    # Each block's caches sit with it (llama_kv_cache: model.dev_layer(il)). Only the full-context KV cache grows
+    # with ctx_size (per_token); the sliding-window cache and the recurrent state stop at their own sizes.
+    for cache in context_memory(info, context_params(spec, model)):
+        on_gpu = cache.select(lambda il: il >= first_gpu)
+        if on_gpu.layers:
+            per_token = on_gpu.bytes_per_row if on_gpu.kind == "KV cache" else 0.0
+            usage.add(devices, f"{role} {on_gpu.label()}", on_gpu.bytes, per_token)
     usage.add(
         devices,
         f"{role} compute buffers (memory.compute_headroom_mib)",
@@ -138,7 +131,9 @@ def _device_total(spec: Spec, facts: MachineFacts, device: str) -> int | None:
 
 def over_budget(spec: Spec, budget: DeviceBudget, per_token: float) -> Problem:
     fixed = budget.used_bytes - per_token * kv_cells(spec.server.ctx_size)
-    fitting_ctx = int((budget.usable_bytes - fixed) // per_token) // KV_CELL_PAD * KV_CELL_PAD if per_token else 0
+    # Rounded down to whole padded slots: llama.cpp pads each slot's share to 256 cells (memory.ContextParams).
+    step = context_params(spec, spec.models.target).ctx_step
+    fitting_ctx = int((budget.usable_bytes - fixed) // per_token) // step * step if per_token else 0
     fixes = []
     if fitting_ctx >= KV_CELL_PAD:
         fixes.append(f"server.ctx_size = {fitting_ctx} or less")

@@ -23,11 +23,19 @@ def draft_devices(spec: Spec) -> list[str]:
     return gpu_devices(draft) if draft.devices else gpu_devices(spec.models.target)
 
 
-def offloaded_layers(model: Model, info: ModelInfo) -> int:
-    """How many layers llama.cpp puts on the GPU; n_layer + 1 means the output layer too."""
-    if not gpu_devices(model):
+def offloaded_layers(model: Model, info: ModelInfo, devices: list[str]) -> int:
+    """How many layers llama.cpp puts on the GPUs the model runs on (`devices`: gpu_devices(target), or
+    draft_devices(spec), which a draft without devices of its own takes from the target); n_layer + 1 means
+    the output layer too."""
+    if not devices:
         return 0
     if model.gpu_layers in ("all", "auto"):
         return info.block_count + 1
     assert isinstance(model.gpu_layers, int)
     return min(model.gpu_layers, info.block_count + 1)
+
+
+def first_gpu_layer(info: ModelInfo, layers_on_gpu: int) -> int:
+    """llama-model.cpp load_tensors: of N offloaded layers the first is the output layer, then the last N-1
+    blocks; a block's KV cache and recurrent state follow it (model.dev_layer(il))."""
+    return max(0, info.block_count + 1 - layers_on_gpu) if layers_on_gpu > 0 else info.block_count + 1

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from appliance.facts.gguf import ModelInfo
 from appliance.facts.machine import MachineFacts
-from appliance.plan.budget import GIB, KV_CELL_PAD, MIB, BudgetLine, DeviceBudget, kv_bytes_per_token, kv_cells
-from appliance.plan.devices import draft_devices, draft_in_use, gpu_devices
+from appliance.plan.budget import GIB, KV_CELL_PAD, MIB, BudgetLine, DeviceBudget, kv_cells
+from appliance.plan.devices import draft_devices, draft_in_use, first_gpu_layer, gpu_devices, offloaded_layers
+from appliance.plan.memory import context_memory, context_params
 from appliance.spec.model import Model, Spec
 from appliance.spec.problems import Problem, error, warning
 
@@ -50,43 +51,26 @@ def cache_ram_setting(spec: Spec) -> int | None:
         return DEFAULT_CACHE_RAM_MIB
 
 
-def layers_on_gpu(model: Model, info: ModelInfo, devices: list[str]) -> int:
-    """devices.offloaded_layers, for the devices the model actually runs on: a draft without devices of its
-    own follows the target's (devices.draft_devices)."""
-    if not devices:
-        return 0
-    if model.gpu_layers in ("all", "auto"):
-        return info.block_count + 1
-    assert isinstance(model.gpu_layers, int)
-    return min(model.gpu_layers, info.block_count + 1)
-
-
 def _model_lines(
     role: str, model: Model, devices: list[str], info: ModelInfo, spec: Spec
 ) -> tuple[list[BudgetLine], float]:
-    layers = layers_on_gpu(model, info, devices)
-    gpu_kv_layers = max(layers - 1, 0)  # as budget.py: the output layer has no KV cache
-    cpu_kv_layers = info.block_count - gpu_kv_layers
-    # The KV cache of a block stays with the block: of those left on the CPU, here.
-    per_token = kv_bytes_per_token(info, model.cache_type_k, model.cache_type_v) - kv_bytes_per_token(
-        info, model.cache_type_k, model.cache_type_v, gpu_kv_layers
-    )
-    cells = kv_cells(spec.server.ctx_size)
+    layers = offloaded_layers(model, info, devices)
+    cpu_layers = info.block_count - max(layers - 1, 0)  # as budget.py: the output layer is the first offloaded
+    first_gpu = first_gpu_layer(info, layers)
     found = []
     # Counted whatever the load mode: mmapped weights are page cache, which the kernel may evict, but a CPU
     # layer reads all of its weights for every token, so evicted weights come back from disk at every step.
     weights = cpu_weight_bytes(info, layers)
     if weights:
-        found.append(
-            BudgetLine(f"{role} weights on the CPU ({info.file_type}, {cpu_kv_layers} layers + input)", weights)
-        )
-    if per_token:
-        found.append(
-            BudgetLine(
-                f"{role} KV cache on the CPU ({model.cache_type_k}/{model.cache_type_v}, {cpu_kv_layers} layers, {cells} cells)",
-                int(per_token * cells),
-            )
-        )
+        found.append(BudgetLine(f"{role} weights on the CPU ({info.file_type}, {cpu_layers} layers + input)", weights))
+    # The caches of a block stay with the block: of those left on the CPU, here. Only the full-context KV
+    # cache grows with ctx_size (per_token).
+    per_token = 0.0
+    for cache in context_memory(info, context_params(spec, model)):
+        on_cpu = cache.select(lambda il: il < first_gpu)
+        if on_cpu.layers:
+            found.append(BudgetLine(f"{role} {on_cpu.label()} on the CPU", on_cpu.bytes))
+            per_token += on_cpu.bytes_per_row if on_cpu.kind == "KV cache" else 0.0
     return found, per_token
 
 
@@ -164,7 +148,9 @@ def host_budget(
 
 def over_host_budget(spec: Spec, budget: DeviceBudget, per_token: float) -> Problem:
     fixed = budget.used_bytes - per_token * kv_cells(spec.server.ctx_size)
-    fitting_ctx = int((budget.usable_bytes - fixed) // per_token) // KV_CELL_PAD * KV_CELL_PAD if per_token else 0
+    # Rounded down to whole padded slots: llama.cpp pads each slot's share to 256 cells (memory.ContextParams).
+    step = context_params(spec, spec.models.target).ctx_step
+    fitting_ctx = int((budget.usable_bytes - fixed) // per_token) // step * step if per_token else 0
     fixes = []
     if fitting_ctx >= KV_CELL_PAD:
         fixes.append(f"server.ctx_size = {fitting_ctx} or less")

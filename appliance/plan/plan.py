@@ -12,7 +12,7 @@ from appliance.facts.gguf import ModelInfo
 from appliance.facts.machine import MachineFacts
 from appliance.plan.argv import build_argv
 from appliance.plan.budget import DeviceBudget, budgets, over_budget
-from appliance.plan.devices import draft_in_use, gpu_devices, offloaded_layers
+from appliance.plan.devices import draft_devices, draft_in_use, gpu_devices, offloaded_layers
 from appliance.plan.host import host_budget
 from appliance.plan.sandbox import Sandbox
 from appliance.spec.model import Spec
@@ -67,13 +67,13 @@ def model_problems(spec: Spec, target: ModelInfo, draft: ModelInfo | None) -> li
         )
     if (
         gpu_devices(spec.models.target)
-        and offloaded_layers(spec.models.draft, draft) <= draft.block_count
+        and offloaded_layers(spec.models.draft, draft, draft_devices(spec)) <= draft.block_count
         and spec.models.draft.gpu_layers != "auto"
     ):
         found.append(
             warning(
                 "models.draft.gpu_layers",
-                f"the draft is not fully offloaded ({offloaded_layers(spec.models.draft, draft)} of {draft.block_count} layers): a draft on the CPU makes speculation slower than none (llama.cpp issue 10664: 45 -> 104 tok/s once offloaded)",
+                f"the draft is not fully offloaded ({offloaded_layers(spec.models.draft, draft, draft_devices(spec))} of {draft.block_count} layers): a draft on the CPU makes speculation slower than none (llama.cpp issue 10664: 45 -> 104 tok/s once offloaded)",
                 'set gpu_layers = "all" for the draft',
             )
         )

@@ -1,0 +1,94 @@
+"""plan/memory.py from headers alone: the arithmetic of layouts no small real model here has (MLA, a 27B
+Gemma 3, per-slot rounding), against numbers worked by hand from the llama.cpp source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from appliance.facts.gguf import ModelInfo
+from appliance.plan.memory import ContextParams, context_memory, row_bytes, swa_layers
+
+MIB = 1 << 20
+
+
+def header(metadata: dict[str, Any]) -> ModelInfo:
+    return ModelInfo(Path("/m.gguf"), 0, metadata, {}, ())
+
+
+# google/gemma-3-27b (config.json): 62 layers, hidden 5376, 32 heads, 16 KV heads, head_dim 128, window 1024,
+# every 6th layer global (models/gemma3.cpp load_swa_pattern(ml, 6)).
+GEMMA3_27B = header(
+    {
+        "general.architecture": "gemma3",
+        "gemma3.block_count": 62,
+        "gemma3.embedding_length": 5376,
+        "gemma3.attention.head_count": 32,
+        "gemma3.attention.head_count_kv": 16,
+        "gemma3.attention.key_length": 128,
+        "gemma3.attention.value_length": 128,
+        "gemma3.attention.sliding_window": 1024,
+    }
+)
+
+
+def test_row_bytes_are_whole_blocks() -> None:
+    assert row_bytes("q8_0", 64) == 2 * 34
+    assert row_bytes("q4_0", 192) == 6 * 18
+    assert row_bytes("f16", 192) == 384
+
+
+def test_gemma3_27b_at_32k() -> None:
+    """10 global layers x 32768 cells + 52 sliding-window layers x pad(1024 + 512, 256) = 1536 cells."""
+    assert sum(not s for s in swa_layers(GEMMA3_27B)) == 10
+    f16 = context_memory(GEMMA3_27B, ContextParams(32768))
+    assert [(c.kind, len(c.layers), c.rows, c.bytes) for c in f16] == [
+        ("KV cache", 10, 32768, 10 * 32768 * 16 * 128 * 2 * 2),
+        ("sliding-window KV cache", 52, 1536, 52 * 1536 * 16 * 128 * 2 * 2),
+    ]
+    assert sum(c.bytes for c in f16) == 3184 * MIB  # 2560 + 624 MiB; 15872 MiB if every layer kept 32768
+    q8 = context_memory(GEMMA3_27B, ContextParams(32768, cache_k="q8_0", cache_v="q8_0"))
+    assert sum(c.bytes for c in q8) == 3184 * MIB * 34 // 64  # 1691.5 MiB
+
+
+def test_per_slot_streams_round_up_and_swa_cells_per_slot() -> None:
+    params = ContextParams(1000, parallel=3)
+    assert (params.n_ctx_seq, params.n_ctx, params.streams) == (512, 1536, 3)
+    [base, swa] = context_memory(GEMMA3_27B, ContextParams(8192, parallel=4))
+    assert (base.rows, base.streams, swa.rows, swa.streams) == (2048, 4, 1536, 4)
+    [base, swa] = context_memory(GEMMA3_27B, ContextParams(8192, parallel=4, unified=True))
+    assert (base.rows, base.streams, swa.rows) == (8192, 1, 4608)  # pad(1024 x 4 + 512, 256)
+
+
+def test_mla_keeps_only_the_compressed_k() -> None:
+    """deepseek2-style: head_count_kv 1, key_length = kv_lora_rank + rope dims, no V (llama_kv_cache: has_v = !is_mla)."""
+    info = header(
+        {
+            "general.architecture": "deepseek2",
+            "deepseek2.block_count": 4,
+            "deepseek2.embedding_length": 2048,
+            "deepseek2.attention.head_count": 16,
+            "deepseek2.attention.head_count_kv": 1,
+            "deepseek2.attention.key_length": 576,
+            "deepseek2.attention.value_length": 512,
+            "deepseek2.attention.key_length_mla": 192,
+            "deepseek2.attention.value_length_mla": 128,
+            "deepseek2.attention.kv_lora_rank": 512,
+        }
+    )
+    [cache] = context_memory(info, ContextParams(4096))
+    assert (cache.first_bytes, cache.second_bytes) == (4 * 4096 * 576 * 2, 0)
+
+
+def test_nextn_layers_hold_no_trunk_kv() -> None:
+    info = header(
+        {
+            "general.architecture": "glm4moe",
+            "glm4moe.block_count": 5,
+            "glm4moe.nextn_predict_layers": 1,
+            "glm4moe.embedding_length": 512,
+            "glm4moe.attention.head_count": 4,
+        }
+    )
+    [cache] = context_memory(info, ContextParams(256))
+    assert [il for il, _, _ in cache.layers] == [0, 1, 2, 3]
