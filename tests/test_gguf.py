@@ -321,11 +321,12 @@ def test_budget_of_a_partial_offload(gpu_layers: int | str, kv_layers: int, weig
     [budget] = device_budgets
     by_label = {line.label: line.bytes for line in budget.lines}
     per_layer = 2 * 64 * 2 * 2  # 2 KV heads x 64 dims x (K + V) x f16
+    assert by_label.pop("target compute buffer (estimated)") > 0  # compute.py's own tests check the figure
     assert by_label == {
         f"target weights (unknown, {kv_layers}/4 layers)": weights,
         f"target KV cache (f16/f16, {kv_layers} layer{'s' if kv_layers != 1 else ''} x 8192 cells)": kv_layers
         * per_layer
         * 8192,
-        "target compute buffers (memory.compute_headroom_mib)": 1024 * MIB,
+        "margin (memory.compute_headroom_mib)": 256 * MIB,
     }
     assert per_token == {"CUDA0": kv_layers * per_layer}

@@ -18,6 +18,8 @@ from appliance.facts.dialect import builtin_dialect, read_binary_dialect
 from appliance.facts.engine import Manifest
 from appliance.ops import engine, models
 from appliance.plan.budget import GIB, lines
+from appliance.plan.fit import fit_lines, largest_fits
+from appliance.plan.report import plan_json
 from appliance.plan.resolved import SNAPSHOT, Appliance, changed_fields, resolve
 from appliance.plan.validate import Validated, validate
 from appliance.render.apply import changes, installed_spec_path, reload_system, write
@@ -47,8 +49,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    result = _validated(args.spec)
+    result = validate(args.spec) if args.json else _validated(args.spec)
     plan = result.plan
+    fits = largest_fits(plan.spec, result.facts, plan.target, plan.draft)
+    if args.json:
+        print(json.dumps(plan_json(plan, fits, result.warnings), indent=2))
+        return EXIT_OK
     print(
         f"target: {plan.target.path} ({plan.target.architecture}, {plan.target.file_type}, {plan.target.block_count} layers, trained ctx {plan.target.context_length})"
     )
@@ -66,6 +72,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     available = result.facts.host_memory.available_bytes if result.facts.host_memory else None
     if plan.host and available is not None:
         print(f"  (available now, MemAvailable: {available / GIB:.2f} GiB)")
+    print("\nlargest that fits, per device (each alone):")
+    print("\n".join(fit_lines(fits, plan.spec)) if fits else "  no device is budgeted")
     print("\nwarnings:")
     print(report(result.warnings) if result.warnings else "  none")
     return EXIT_OK
@@ -295,6 +303,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         write=args.write,
         as_json=args.json,
         baseline=_baseline_path(args, result),
+        longest_context=args.ctx == "max",
     )
 
 

@@ -58,9 +58,13 @@ def _spec_commands(command: Command) -> None:
     command("validate", cmd_validate, "check a spec against its model files and this machine").add_argument(
         "spec", type=Path
     )
-    command(
-        "explain", cmd_explain, "show the llama-server argv, the memory budget per device and the warnings"
-    ).add_argument("spec", type=Path)
+    p = command(
+        "explain",
+        cmd_explain,
+        "show the llama-server argv, the memory budget per device, the largest context that fits and the warnings",
+    )
+    p.add_argument("spec", type=Path)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON for scripts (README: explain --json)")
     p = command("render", cmd_render, "render every file of the appliance into a directory (or to stdout)")
     p.add_argument("spec", type=Path)
     p.add_argument("--out", type=Path, help="directory to write into; without it, print ---path--- and contents")
@@ -209,6 +213,11 @@ def _measure_commands(command: Command) -> None:
     )
     p.add_argument(
         "--write", action="store_true", help="show the diff and write the choice and the profiles into the spec"
+    )
+    p.add_argument(
+        "--ctx",
+        choices=["max"],
+        help="max: first set server.ctx_size to the longest context that fits the memory budget (--write keeps it)",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a report")
 

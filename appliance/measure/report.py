@@ -256,12 +256,14 @@ def profile_values(result: TuneResult, name: str) -> dict[str, Any]:
     return values
 
 
-def updated_spec(text: str, result: TuneResult, suite: str, measured_at: str) -> str:
-    """The spec with the choice in the sections it maps onto ([speculative], [models.draft]) and a fresh
-    [tuning] section; every other line, comment and blank kept as written."""
+def updated_spec(text: str, result: TuneResult, suite: str, measured_at: str, ctx_size: int | None = None) -> str:
+    """The spec with the choice in the sections it maps onto ([speculative], [models.draft]), server.ctx_size
+    when tuned (`tune --ctx max`), and a fresh [tuning] section; every other line, comment and blank kept."""
     import tomlkit
 
     document = tomlkit.parse(text)
+    if ctx_size is not None:
+        _table(document, "server")["ctx_size"] = ctx_size
     for section, values in spec_values(result.choice).items():
         table = _table(document, section)
         for key, value in values.items():

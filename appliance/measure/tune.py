@@ -15,6 +15,7 @@ import difflib
 import json
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -24,6 +25,9 @@ from appliance.measure.report import format_report, now, profile_values, updated
 from appliance.measure.search import CACHE_ORDER, Param, Rates, TuneResult, Value, default_params, tune
 from appliance.measure.server import TempServer
 from appliance.measure.suite import CANARY, Prepared, canary_workload, load_suite
+from appliance.plan.budget import KV_CELL_PAD
+from appliance.plan.fit import ctx_cap, largest_fits
+from appliance.plan.plan import plan
 from appliance.plan.validate import Validated
 from appliance.system import paths
 
@@ -158,6 +162,18 @@ def _start(validated: Validated, params: Sequence[Param]) -> Config:
     return Config.of(validated.plan.spec, "draft_gpu_layers" in names, "draft_cache_type" in names)
 
 
+def with_longest_context(validated: Validated) -> Validated:
+    """The validated spec re-planned at the largest ctx_size every budgeted device holds at once (the smallest
+    of each device's own largest: each only grows with ctx_size), capped at the target's trained context."""
+    found = validated.plan
+    fits = largest_fits(found.spec, validated.facts, found.target, found.draft)
+    ctx = min((fit.ctx_size for fit in fits), default=ctx_cap(found.target))
+    if ctx < KV_CELL_PAD:
+        raise BenchError("no ctx_size fits the memory budget; see `llm-appliance explain`")
+    spec = found.spec.model_copy(update={"server": found.spec.server.model_copy(update={"ctx_size": ctx})})
+    return replace(validated, plan=plan(spec, validated.facts, found.target, found.draft))
+
+
 # The command --------------------------------------------------------------------------------------
 
 
@@ -177,10 +193,17 @@ def main_tune(
     as_json: bool,
     baseline: Path | None,
     out: TextIO | None = None,
+    longest_context: bool = False,
 ) -> int:
-    """The `tune` command; returns its exit code (3 when the baseline file cannot be written)."""
+    """The `tune` command; returns its exit code (3 when the baseline file cannot be written).
+    `longest_context`: tune at the largest ctx_size that fits (with_longest_context), and write it too."""
     out = out or sys.stdout
     _check_options(validated, reps, tokens, tolerance)
+    ctx_size = None
+    if longest_context:
+        validated = with_longest_context(validated)
+        ctx_size = validated.plan.spec.server.ctx_size
+        print(f"tune: server.ctx_size {ctx_size}, the largest that fits", file=sys.stderr if as_json else out)
     suite = load_suite(suite_file)
     weights = parse_workloads(workloads, validated.plan.spec.tuning.workloads, suite.names)
     cache_types = parse_cache_types(draft_cache_types)
@@ -197,7 +220,7 @@ def main_tune(
     if not as_json:
         print(format_report(result, spec_path, suite.version, reps, tokens), file=out)
     if write:
-        _write(spec_path, result, suite.version, measured_at, as_json, out)
+        _write(spec_path, result, suite.version, measured_at, as_json, out, ctx_size)
         document["written"] = str(spec_path)
     elif not as_json:
         print("\nrun again with --write to put the choice and the profiles into the spec", file=out)
@@ -213,10 +236,18 @@ def main_tune(
     return code
 
 
-def _write(spec_path: Path, result: TuneResult, suite: str, measured_at: str, as_json: bool, out: TextIO) -> None:
+def _write(
+    spec_path: Path,
+    result: TuneResult,
+    suite: str,
+    measured_at: str,
+    as_json: bool,
+    out: TextIO,
+    ctx_size: int | None = None,
+) -> None:
     """The choice into the spec, after showing the diff; nothing is written if the result would not load."""
     old = spec_path.read_text()
-    new = updated_spec(old, result, suite, measured_at)
+    new = updated_spec(old, result, suite, measured_at, ctx_size)
     from appliance.spec.load import parse_spec
 
     parse_spec(new, spec_path)  # raises SpecInvalid (nothing written) if the result would not load

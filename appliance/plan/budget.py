@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from appliance.facts.gguf import ModelInfo
 from appliance.facts.machine import MachineFacts
+from appliance.plan.compute import gpu_compute_bytes, peaks, shape, target_outputs_per_seq
 from appliance.plan.devices import draft_devices, first_gpu_layer, gpu_devices, offloaded_layers
 from appliance.plan.memory import context_memory, context_params
 from appliance.spec.model import Model, Spec
@@ -91,11 +92,13 @@ def _model_usage(usage: _Usage, role: str, model: Model, devices: list[str], inf
         if on_gpu.layers:
             per_token = on_gpu.bytes_per_row if on_gpu.kind == "KV cache" else 0.0
             usage.add(devices, f"{role} {on_gpu.label()}", on_gpu.bytes, per_token)
-    usage.add(
-        devices,
-        f"{role} compute buffers (memory.compute_headroom_mib)",
-        spec.memory.compute_headroom_mib * MIB * len(devices),
-    )
+    # Each device reserves a compute buffer of its own, not a share of one (compute.py).
+    drafting = role == "target" and spec.speculative.type != "none"
+    model_peaks = peaks(info, shape(spec, target_outputs_per_seq(spec, drafting)))
+    for index, device in enumerate(devices):
+        usage.lines.setdefault(device, []).append(
+            BudgetLine(f"{role} compute buffer (estimated)", gpu_compute_bytes(model_peaks, index, len(devices)))
+        )
 
 
 def budgets(
@@ -105,6 +108,8 @@ def budgets(
     _model_usage(usage, "target", spec.models.target, gpu_devices(spec.models.target), target, spec)
     if spec.models.draft is not None and draft is not None:
         _model_usage(usage, "draft", spec.models.draft, draft_devices(spec), draft, spec)
+    for device_lines in usage.lines.values():
+        device_lines.append(BudgetLine("margin (memory.compute_headroom_mib)", spec.memory.compute_headroom_mib * MIB))
     found: list[Problem] = []
     result = []
     for device, lines in usage.lines.items():
@@ -129,11 +134,8 @@ def _device_total(spec: Spec, facts: MachineFacts, device: str) -> int | None:
     return gpu.total_bytes if gpu else None
 
 
-def over_budget(spec: Spec, budget: DeviceBudget, per_token: float) -> Problem:
-    fixed = budget.used_bytes - per_token * kv_cells(spec.server.ctx_size)
-    # Rounded down to whole padded slots: llama.cpp pads each slot's share to 256 cells (memory.ContextParams).
-    step = context_params(spec, spec.models.target).ctx_step
-    fitting_ctx = int((budget.usable_bytes - fixed) // per_token) // step * step if per_token else 0
+def over_budget(spec: Spec, budget: DeviceBudget, fitting_ctx: int) -> Problem:
+    """`fitting_ctx`: the largest ctx_size this device holds (fit.py searches it with the whole budget)."""
     fixes = []
     if fitting_ctx >= KV_CELL_PAD:
         fixes.append(f"server.ctx_size = {fitting_ctx} or less")

@@ -3,16 +3,19 @@ MemTotal x memory.host_memory_utilization; and the error, with fixes, when the p
 
 Measured with bench/host_memory.py on the demo (SmolLM2-135M as target and draft, CPU, f16 cache): VmRSS
 417 MiB at ctx 4096 and 1679 MiB at ctx 32768, against 364 and 1624 MiB of planned weights and KV cache:
-the rest (compute buffers of 18 and 46 MiB per model, libraries) is well inside the 1024 MiB headroom.
+the rest (compute buffers of 18 and 46 MiB per model, which compute.py now estimates, libraries) sits well
+inside the 256 MiB margin.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from appliance.facts.gguf import ModelInfo
 from appliance.facts.machine import MachineFacts
-from appliance.plan.budget import GIB, KV_CELL_PAD, MIB, BudgetLine, DeviceBudget, kv_cells
+from appliance.plan.budget import GIB, KV_CELL_PAD, MIB, BudgetLine, DeviceBudget
+from appliance.plan.compute import cpu_compute_bytes, peaks, shape, target_outputs_per_seq
 from appliance.plan.devices import draft_devices, draft_in_use, first_gpu_layer, gpu_devices, offloaded_layers
 from appliance.plan.memory import context_memory, context_params
 from appliance.spec.model import Model, Spec
@@ -71,6 +74,16 @@ def _model_lines(
         if on_cpu.layers:
             found.append(BudgetLine(f"{role} {on_cpu.label()} on the CPU", on_cpu.bytes))
             per_token += on_cpu.bytes_per_row if on_cpu.kind == "KV cache" else 0.0
+    # The CPU backend's compute buffer (compute.py): the graph's peaks for the layers left here, else only
+    # the input embeddings.
+    drafting = role == "target" and spec.speculative.type != "none"
+    model_peaks = peaks(info, shape(spec, target_outputs_per_seq(spec, drafting)))
+    found.append(
+        BudgetLine(
+            f"{role} CPU compute buffer (estimated)",
+            cpu_compute_bytes(model_peaks, cpu_layers, layers <= info.block_count),
+        )
+    )
     return found, per_token
 
 
@@ -81,13 +94,8 @@ def host_lines(spec: Spec, target: ModelInfo, draft: ModelInfo | None) -> tuple[
         draft_lines, draft_per_token = _model_lines("draft", spec.models.draft, draft_devices(spec), draft, spec)
         lines += draft_lines
         per_token += draft_per_token
-    # One headroom for the CPU backend, not one per model: its compute buffers measured 18 MiB (ctx 4096)
-    # and 46 MiB (ctx 32768) per model for SmolLM2; the rest covers the launcher and the server's own heap.
-    lines.append(
-        BudgetLine(
-            "CPU compute buffers, processes (memory.compute_headroom_mib)", spec.memory.compute_headroom_mib * MIB
-        )
-    )
+    # One margin for the machine, not one per model: the launcher, the server's own heap and libraries.
+    lines.append(BudgetLine("margin: processes (memory.compute_headroom_mib)", spec.memory.compute_headroom_mib * MIB))
     return lines, per_token
 
 
@@ -100,12 +108,17 @@ class HostPlan:
 
 
 def host_budget(
-    spec: Spec, facts: MachineFacts, target: ModelInfo, draft: ModelInfo | None, prompt_cache: bool = True
+    spec: Spec,
+    facts: MachineFacts,
+    target: ModelInfo,
+    draft: ModelInfo | None,
+    prompt_cache: bool = True,
+    fitting_ctx: Callable[[], int] = lambda: 0,
 ) -> HostPlan:
     """The host budget and its problems. llama-server's prompt cache keeps the KV state of past prompts in host
     RAM up to --cache-ram (default 8192 MiB), filling over time: a server that fits at start would be killed
     hours later. So, unless extra_args size it, the plan gives it what the budget leaves, at most the default
-    (`prompt_cache`: the binary has one)."""
+    (`prompt_cache`: the binary has one). `fitting_ctx` gives the largest ctx_size that fits, for the error."""
     lines, per_token = host_lines(spec, target, draft)
     found = []
     setting = cache_ram_setting(spec)
@@ -142,15 +155,12 @@ def host_budget(
         label = f"prompt cache (--cache-ram {sized} MiB: what the budget leaves, at most {DEFAULT_CACHE_RAM_MIB})"
         budget = DeviceBudget(HOST, total, budget.utilization, (*lines, BudgetLine(label, sized * MIB)))
     if budget.over_bytes > 0:
-        found.append(over_host_budget(spec, budget, per_token))
+        found.append(over_host_budget(spec, budget, per_token, fitting_ctx()))
     return HostPlan(budget, found, per_token, sized)
 
 
-def over_host_budget(spec: Spec, budget: DeviceBudget, per_token: float) -> Problem:
-    fixed = budget.used_bytes - per_token * kv_cells(spec.server.ctx_size)
-    # Rounded down to whole padded slots: llama.cpp pads each slot's share to 256 cells (memory.ContextParams).
-    step = context_params(spec, spec.models.target).ctx_step
-    fitting_ctx = int((budget.usable_bytes - fixed) // per_token) // step * step if per_token else 0
+def over_host_budget(spec: Spec, budget: DeviceBudget, per_token: float, fitting_ctx: int) -> Problem:
+    """`fitting_ctx`: the largest ctx_size host RAM holds (fit.py searches it with the whole budget)."""
     fixes = []
     if fitting_ctx >= KV_CELL_PAD:
         fixes.append(f"server.ctx_size = {fitting_ctx} or less")

@@ -13,7 +13,8 @@ from appliance.facts.machine import MachineFacts
 from appliance.plan.argv import build_argv
 from appliance.plan.budget import DeviceBudget, budgets, over_budget
 from appliance.plan.devices import draft_devices, draft_in_use, gpu_devices, offloaded_layers
-from appliance.plan.host import host_budget
+from appliance.plan.fit import largest_fits
+from appliance.plan.host import HOST, host_budget
 from appliance.plan.sandbox import Sandbox
 from appliance.spec.model import Spec
 from appliance.spec.problems import Problem, warning
@@ -83,11 +84,23 @@ def model_problems(spec: Spec, target: ModelInfo, draft: ModelInfo | None) -> li
 def plan(spec: Spec, facts: MachineFacts, target: ModelInfo, draft: ModelInfo | None) -> Plan:
     binary = str(facts.binary) if facts.binary else spec.server.binary
     argv, found = build_argv(spec, facts.dialect, binary, draft is not None and draft_in_use(spec))
-    device_budgets, budget_problems, per_token = budgets(spec, facts, target, draft)
+    device_budgets, budget_problems, _ = budgets(spec, facts, target, draft)
     found += budget_problems
     found += model_problems(spec, target, draft)
-    found += [over_budget(spec, b, per_token[b.device]) for b in device_budgets if b.over_bytes > 0]
-    host = host_budget(spec, facts, target, draft, prompt_cache="--cache-ram" in facts.dialect.flags)
+
+    def fitting_ctx(device: str) -> int:
+        # Searched only for an error's fix: each step budgets the whole plan again.
+        return next((f.ctx_size for f in largest_fits(spec, facts, target, draft) if f.device == device), 0)
+
+    found += [over_budget(spec, b, fitting_ctx(b.device)) for b in device_budgets if b.over_bytes > 0]
+    host = host_budget(
+        spec,
+        facts,
+        target,
+        draft,
+        prompt_cache="--cache-ram" in facts.dialect.flags,
+        fitting_ctx=lambda: fitting_ctx(HOST),
+    )
     found += host.problems
     if host.cache_ram_mib is not None:
         argv = (*argv, "--cache-ram", str(host.cache_ram_mib))

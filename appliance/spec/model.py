@@ -198,7 +198,10 @@ class Speculative(Strict):
 
 class Memory(Strict):
     gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] = 0.95
-    compute_headroom_mib: Annotated[int, Field(ge=0, le=1_048_576)] = 1024
+    # A margin on top of the estimated compute buffers (plan/compute.py), per GPU and once for the host: the
+    # estimate is calibrated on llama-server's log (never below it), and the CUDA context itself sits in the
+    # (1 - gpu_memory_utilization) share, so a small margin is enough.
+    compute_headroom_mib: Annotated[int, Field(ge=0, le=1_048_576)] = 256
     # Totals for machines where NVML cannot tell (and for tests): {"CUDA0" = 24576}.
     device_total_mib: dict[str, Annotated[int, Field(gt=0, le=16_777_216)]] = {}
     # The share of the machine's RAM the server may plan to use: the OS, the page cache of everything else,
