@@ -30,10 +30,25 @@ class Shape:
     head_dim: int
     context: int
     file_type: int = FILE_TYPE_Q4_K_M
+    arch: str = "qwen3"
+    sliding_window: int = 0  # gemma3: every 6th layer global, the others keep this many cells
 
 
 TARGET_27B = Shape(
     "target-27b", layers=64, embedding=5120, feed_forward=22016, heads=40, kv_heads=4, head_dim=128, context=40960
+)
+# google/gemma-3-27b's shape (config.json), Q4_K_M: the family people run at 27B with sliding-window layers.
+GEMMA3_27B = Shape(
+    "gemma3-27b",
+    layers=62,
+    embedding=5376,
+    feed_forward=21504,
+    heads=32,
+    kv_heads=16,
+    head_dim=128,
+    context=131072,
+    arch="gemma3",
+    sliding_window=1024,
 )
 DRAFT_06B = Shape(
     "draft-0.6b", layers=28, embedding=1024, feed_forward=3072, heads=16, kv_heads=8, head_dim=128, context=40960
@@ -79,7 +94,7 @@ def tokenizer_entries(vocab_source: Path) -> list[bytes]:
 
 
 def write_model(path: Path, shape: Shape, vocab_source: Path, n_vocab: int = 49152) -> Path:
-    arch = "qwen3"
+    arch = shape.arch
     kvs = [
         _kv_str("general.architecture", arch),
         _kv_str("general.name", shape.name),
@@ -95,6 +110,7 @@ def write_model(path: Path, shape: Shape, vocab_source: Path, n_vocab: int = 491
         _kv_u32(f"{arch}.attention.value_length", shape.head_dim),
         _kv_f32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         _kv_f32(f"{arch}.rope.freq_base", 1_000_000.0),
+        *([_kv_u32(f"{arch}.attention.sliding_window", shape.sliding_window)] if shape.sliding_window else []),
         *tokenizer_entries(vocab_source),
     ]
     e, q, kv = shape.embedding, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim

@@ -6,8 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+from conftest import gpu_facts
+from gguf_fixtures import GEMMA3_27B as GEMMA3_27B_SHAPE
+from gguf_fixtures import write_model
+
 from appliance.facts.gguf import ModelInfo
+from appliance.plan.budget import lines
 from appliance.plan.memory import ContextParams, context_memory, row_bytes, swa_layers
+from appliance.plan.validate import validate
+from appliance.spec.problems import SpecInvalid
 
 MIB = 1 << 20
 
@@ -92,3 +100,29 @@ def test_nextn_layers_hold_no_trunk_kv() -> None:
     )
     [cache] = context_memory(info, ContextParams(256))
     assert [il for il, _, _ in cache.layers] == [0, 1, 2, 3]
+
+
+def test_a_gemma3_27b_at_32k_fits_one_24_gb_card_and_128k_does_not(tmp_path: Path, smollm2: Path) -> None:
+    """The issue's case, planned whole (weights of a Q4_K_M file of the real shape, KV, compute, margin):
+    at 32K the sliding-window layers keep 1536 cells, so it fits; counting all 62 layers at full context,
+    as the budget did, refused it. 128K really does not fit, and is still refused before any load."""
+    model = write_model(tmp_path / "gemma3-27b-Q4_K_M.gguf", GEMMA3_27B_SHAPE, smollm2, n_vocab=262144)
+    spec = tmp_path / "gemma.toml"
+
+    def written(ctx: int) -> Path:
+        spec.write_text(
+            f'[server]\nctx_size = {ctx}\n\n[models.target]\npath = "{model}"\ndevices = ["CUDA0"]\n\n'
+            '[speculative]\ntype = "none"\n\n[memory]\ndevice_total_mib = { CUDA0 = 24576 }\n'
+        )
+        return spec
+
+    [budget] = validate(written(32768), facts=gpu_facts(24)).plan.budgets
+    by_label = {line.label: line.bytes for line in budget.lines}
+    assert by_label["target KV cache (f16/f16, 10 layers x 32768 cells)"] == 2560 * MIB
+    assert by_label["target sliding-window KV cache (f16/f16, 52 layers x 1536 cells)"] == 624 * MIB
+    assert budget.over_bytes < 0, list(lines((budget,)))
+    print("\n".join(lines((budget,))))
+    with pytest.raises(SpecInvalid) as caught:
+        validate(written(131072), facts=gpu_facts(24))
+    [problem] = caught.value.errors
+    assert problem.field == "server.ctx_size" and "CUDA0 is over budget by" in problem.message
