@@ -8,14 +8,12 @@ the server listens, so the server is stopped as soon as it says it is listening.
 from __future__ import annotations
 
 import re
-import socket
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from llama_log import server_log
+
 COMPUTE = re.compile(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB")
-READY = ("listening on", "model loaded")
-LOAD_TIMEOUT_S = 60
 
 
 @dataclass(frozen=True)
@@ -26,33 +24,11 @@ class ComputeLog:
     text: str
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def compute_log(binary: Path, model: Path, *flags: str) -> ComputeLog:
     """The server's compute buffers for `-m model flags` (one thread: the sizes do not depend on it)."""
-    argv = [str(binary), "-m", str(model), "--port", str(_free_port()), "-t", "1", "-lv", "4", *flags]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    try:
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.append(line)
-            if any(mark in line for mark in READY):
-                break
-    finally:
-        process.terminate()
-        try:
-            process.wait(LOAD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    text = "".join(lines)
+    text = server_log(binary, model, *flags)
     contexts: list[dict[str, float]] = []
-    for line in lines:
+    for line in text.splitlines():
         if "sched_reserve: reserving" in line:
             contexts.append({})
         elif found := COMPUTE.search(line):
@@ -60,5 +36,5 @@ def compute_log(binary: Path, model: Path, *flags: str) -> ComputeLog:
                 contexts.append({})
             contexts[-1][found.group(1)] = float(found.group(2))
     if not contexts:
-        raise AssertionError(f"no compute buffer in llama-server's log for {argv}:\n{text[-3000:]}")
+        raise AssertionError(f"no compute buffer in llama-server's log for {model} {flags}:\n{text[-3000:]}")
     return ComputeLog(contexts, text)

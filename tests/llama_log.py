@@ -78,11 +78,19 @@ def load_log(
     extra: tuple[str, ...] = (),
 ) -> LoadLog:
     """Start llama-server, read its log until it listens (or exits), stop it; the log parsed."""
+    flags = (
+        *("-c", str(ctx), "-np", str(parallel), "-ngl", "0", "-fit", "off"),
+        *("-ctk", cache_k, "-ctv", cache_v, "-fa", flash_attn, "--no-warmup", *extra),
+    )
+    return parse(server_log(binary, model, *flags))
+
+
+def server_log(binary: Path, model: Path, *flags: str) -> str:
+    """llama-server's output for `-m model flags` at verbosity 4 (one thread, loopback, a free port), from its
+    start until it listens; then it is stopped. The size lines come before it listens."""
     argv = [
         str(binary),
-        *("-m", str(model), "-c", str(ctx), "-np", str(parallel), "-ngl", "0", "-fit", "off"),
-        *("-ctk", cache_k, "-ctv", cache_v, "-fa", flash_attn, "--no-warmup", "-lv", "4", "-t", "1"),
-        *("--host", "127.0.0.1", "--port", str(_free_port()), *extra),
+        *("-m", str(model), "-lv", "4", "-t", "1", "--host", "127.0.0.1", "--port", str(_free_port()), *flags),
     ]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     guard = threading.Timer(KILL_AFTER_S, process.kill)
@@ -101,4 +109,4 @@ def load_log(
     text = "".join(lines)
     if "listening on" not in text:
         raise AssertionError(f"llama-server did not start: {' '.join(argv)}\n{text[-3000:]}")
-    return parse(text)
+    return text

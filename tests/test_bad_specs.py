@@ -965,14 +965,11 @@ def test_the_tables_are_what_they_claim() -> None:
     assert all(c.severity is Severity.ERROR for c in BAD)
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLE_FACTS))
-def test_every_base_is_valid(example: Callable[..., Path], name: str) -> None:
-    validate(example(name), facts=EXAMPLE_FACTS[name])
+WriteCase = Callable[[Case], tuple[Path, str]]
 
 
-@pytest.mark.parametrize("case", BAD, ids=[c.id for c in BAD])
-def test_bad_spec_is_refused(
-    case: Case,
+@pytest.fixture
+def write_case(
     example: Callable[..., Path],
     bad_files: Path,
     key_files: Path,
@@ -981,17 +978,20 @@ def test_bad_spec_is_refused(
     gemma3: Path,
     outside_tmp: Path,
     home_dir: Path,
-) -> None:
-    spec, text = written(
-        case,
-        example,
-        bad_files,
-        fixture_models,
-        smollm2,
-        gemma3,
-        key_files,
-        {"$OUTSIDE": outside_tmp, "$HOME_DIR": home_dir},
-    )
+) -> WriteCase:
+    """A case's spec written out, its placeholders filled: (path, text)."""
+    places = {"$OUTSIDE": outside_tmp, "$HOME_DIR": home_dir}
+    return lambda case: written(case, example, bad_files, fixture_models, smollm2, gemma3, key_files, places)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLE_FACTS))
+def test_every_base_is_valid(example: Callable[..., Path], name: str) -> None:
+    validate(example(name), facts=EXAMPLE_FACTS[name])
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c.id for c in BAD])
+def test_bad_spec_is_refused(case: Case, write_case: WriteCase) -> None:
+    spec, text = write_case(case)
     with pytest.raises(SpecInvalid) as caught:
         validate(spec, facts=facts_for(case))
     invalid = caught.value
@@ -1003,27 +1003,8 @@ def test_bad_spec_is_refused(
 
 
 @pytest.mark.parametrize("case", WARNINGS, ids=[c.id for c in WARNINGS])
-def test_warning_leaves_the_spec_valid(
-    case: Case,
-    example: Callable[..., Path],
-    bad_files: Path,
-    key_files: Path,
-    fixture_models: Path,
-    smollm2: Path,
-    gemma3: Path,
-    outside_tmp: Path,
-    home_dir: Path,
-) -> None:
-    spec, text = written(
-        case,
-        example,
-        bad_files,
-        fixture_models,
-        smollm2,
-        gemma3,
-        key_files,
-        {"$OUTSIDE": outside_tmp, "$HOME_DIR": home_dir},
-    )
+def test_warning_leaves_the_spec_valid(case: Case, write_case: WriteCase) -> None:
+    spec, text = write_case(case)
     result = validate(spec, facts=facts_for(case))
     case = dataclasses.replace(case, severity=Severity.WARNING)
     warning = the_problem(result.warnings, case)

@@ -144,12 +144,19 @@ def over_budget(spec: Spec, budget: DeviceBudget, fitting_ctx: int) -> Problem:
     if spec.models.draft is not None and budget.device in draft_devices(spec):
         fixes.append('models.draft.devices = ["CUDA1"] to put the draft on another GPU')
     fixes.append("a smaller quantization of the target")
+    return over_error(budget, "", "llama.cpp would spill to system RAM and decode several times slower", fixes)
+
+
+def over_error(budget: DeviceBudget, utilization_field: str, consequence: str, fixes: list[str]) -> Problem:
+    """The over-budget error of a GPU or of host RAM: by how much, the table, what would happen, the fixes."""
     table = "; ".join(f"{line.label} {line.bytes / GIB:.2f} GiB" for line in budget.lines)
+    share = f"{budget.total_bytes / GIB:.2f} GiB x {budget.utilization}" + (
+        f", {utilization_field}" if utilization_field else ""
+    )
     return error(
         "server.ctx_size",
         f"{budget.device} is over budget by {budget.over_bytes / GIB:.2f} GiB: needs {budget.used_bytes / GIB:.2f} GiB, "
-        f"usable {budget.usable_bytes / GIB:.2f} GiB ({budget.total_bytes / GIB:.2f} GiB x {budget.utilization}) [{table}]; "
-        "llama.cpp would spill to system RAM and decode several times slower",
+        f"usable {budget.usable_bytes / GIB:.2f} GiB ({share}) [{table}]; {consequence}",
         "; or ".join(fixes),
     )
 

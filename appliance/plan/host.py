@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from appliance.facts.gguf import ModelInfo
 from appliance.facts.machine import MachineFacts
-from appliance.plan.budget import GIB, KV_CELL_PAD, MIB, BudgetLine, DeviceBudget
+from appliance.plan.budget import KV_CELL_PAD, MIB, BudgetLine, DeviceBudget, over_error
 from appliance.plan.compute import cpu_compute_bytes, peaks, shape, target_outputs_per_seq
 from appliance.plan.devices import draft_devices, draft_in_use, first_gpu_layer, gpu_devices, offloaded_layers
 from appliance.plan.memory import context_memory, context_params
 from appliance.spec.model import Model, Spec
-from appliance.spec.problems import Problem, error, warning
+from appliance.spec.problems import Problem, warning
 
 HOST = "host RAM"
 CACHE_RAM_FLAGS = ("--cache-ram", "-cram")
@@ -173,11 +173,9 @@ def over_host_budget(spec: Spec, budget: DeviceBudget, per_token: float, fitting
     if any(gpu_devices(m) for m in models):
         fixes.append('more layers on the GPU (gpu_layers = "all")')
     fixes.append("a smaller quantization of the target")
-    table = "; ".join(f"{line.label} {line.bytes / GIB:.2f} GiB" for line in budget.lines)
-    return error(
-        "server.ctx_size",
-        f"{budget.device} is over budget by {budget.over_bytes / GIB:.2f} GiB: needs {budget.used_bytes / GIB:.2f} GiB, "
-        f"usable {budget.usable_bytes / GIB:.2f} GiB ({budget.total_bytes / GIB:.2f} GiB x {budget.utilization}, "
-        f"memory.host_memory_utilization) [{table}]; llama-server would swap or be killed by the kernel's OOM killer",
-        "; or ".join(fixes),
+    return over_error(
+        budget,
+        "memory.host_memory_utilization",
+        "llama-server would swap or be killed by the kernel's OOM killer",
+        fixes,
     )
