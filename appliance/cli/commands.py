@@ -1,7 +1,8 @@
 """The commands of `llm-appliance`, one function each: arguments in, an exit code out.
 
-Exit codes: 0 ok, 1 invalid spec or snapshot (or rendered files their own checkers reject), 2 usage, 3 apply or a system command failed, 4 engine or
-model provisioning failed, 5 (status) the spec differs from what is applied, 130 interrupted.
+Exit codes: 0 ok, 1 invalid spec or snapshot (or rendered files their own checkers reject), 2 usage, 3 apply
+or a system command failed, 4 engine or model provisioning failed, 5 (status) the spec differs from what is
+applied, 130 interrupted.
 """
 
 from __future__ import annotations
