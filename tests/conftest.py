@@ -222,3 +222,19 @@ def appliance_up(tmp_path: Path) -> Iterator[UpProcess]:
                 process.wait(20)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def service_settings(unit_text: str) -> dict[str, list[str]]:
+    """A rendered unit's [Service] settings, each key with its values in order (a key may repeat)."""
+    settings: dict[str, list[str]] = {}
+    section = ""
+    for line in unit_text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            section = line
+        elif section == "[Service]":
+            key, _, value = line.partition("=")
+            settings.setdefault(key, []).append(value)
+    return settings

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE_FACTS, KeyFile
+from conftest import EXAMPLE_FACTS, KeyFile, service_settings
 
 from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
@@ -104,23 +104,8 @@ def test_rules_pass_promtool_with_every_alert(rendered: dict[str, str], tmp_path
 # --- the sandbox follows the plan's devices ----------------------------------------------------------------
 
 
-def _service_settings(unit_text: str) -> dict[str, list[str]]:
-    settings: dict[str, list[str]] = {}
-    section = ""
-    for line in unit_text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.startswith("["):
-            section = line
-        elif section == "[Service]":
-            key, _, value = line.partition("=")
-            settings.setdefault(key, []).append(value)
-    return settings
-
-
 def _server_unit(example: Callable[..., Path], name: str) -> dict[str, list[str]]:
-    return _service_settings(_render(example(name), name)[f"etc/systemd/system/{paths.SERVER_UNIT}"])
+    return service_settings(_render(example(name), name)[f"etc/systemd/system/{paths.SERVER_UNIT}"])
 
 
 def test_cpu_demo_has_no_devices(example: Callable[..., Path]) -> None:
@@ -141,7 +126,7 @@ def test_gpu_example_opens_its_gpu_only(example: Callable[..., Path]) -> None:
 
 def test_the_gpu_health_unit_opens_what_nvml_opens_read_write(example: Callable[..., Path]) -> None:
     files = _render(example("dual-gpu.toml"), "dual-gpu.toml")
-    unit = _service_settings(files[f"etc/systemd/system/{paths.HEALTH_UNIT}"])
+    unit = service_settings(files[f"etc/systemd/system/{paths.HEALTH_UNIT}"])
     # NVML opens the control node and every GPU O_RDWR; read-only access makes each query fail.
     assert unit["DeviceAllow"] == ["/dev/nvidiactl rw", "/dev/nvidia0 rw", "/dev/nvidia1 rw"]
 
@@ -249,8 +234,8 @@ def test_lan_spec_scrape_uses_the_api_key(lan_spec: Callable[..., Path], service
 
 def _units(files: dict[str, str]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     return (
-        _service_settings(files[f"etc/systemd/system/{paths.SERVER_UNIT}"]),
-        _service_settings(files[f"etc/systemd/system/{paths.HEALTH_UNIT}"]),
+        service_settings(files[f"etc/systemd/system/{paths.SERVER_UNIT}"]),
+        service_settings(files[f"etc/systemd/system/{paths.HEALTH_UNIT}"]),
     )
 
 

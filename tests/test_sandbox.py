@@ -10,8 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE_FACTS
-from test_rendered_checks import _service_settings
+from conftest import EXAMPLE_FACTS, service_settings
 
 from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
@@ -31,7 +30,7 @@ needs_service_user = pytest.mark.skipif(
 def _units(spec: Path) -> dict[str, dict[str, list[str]]]:
     files = render(resolve(validate(spec, facts=EXAMPLE_FACTS["demo.toml"]).plan, installed_spec_path(spec)))
     return {
-        name: _service_settings(files[f"etc/systemd/system/{unit}"])
+        name: service_settings(files[f"etc/systemd/system/{unit}"])
         for name, unit in (
             ("server", paths.SERVER_UNIT),
             ("health", paths.HEALTH_UNIT),

@@ -92,8 +92,6 @@ def sandbox(spec: Spec, binary: str) -> tuple[Sandbox, list[Problem]]:
     for opened in opened_files(spec, binary):
         path = opened.path
         if not path.is_absolute():
-            if opened.field.startswith("models."):
-                continue  # validate.py says so, before it reads the model
             found.append(
                 error(
                     opened.field,
