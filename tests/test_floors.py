@@ -18,6 +18,7 @@ FLOORS = {
     "health": 5,
     "ops": 6,
     "measure": 6,
+    "fleet": 6,
     "cli": 7,
 }
 

@@ -140,6 +140,33 @@ def cmd_apply(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_fleet_validate(args: argparse.Namespace) -> int:
+    from appliance.fleet.load import load_fleet
+
+    fleet = load_fleet(args.fleet).fleet
+    print(f"{args.fleet}: valid ({len(fleet.hosts)} hosts; their specs are checked by `fleet render`)")
+    return EXIT_OK
+
+
+def cmd_fleet_render(args: argparse.Namespace) -> int:
+    """Every host's tree, haproxy.cfg and Prometheus' files, checked, then written by the one writer."""
+    from appliance.fleet.load import load_fleet
+    from appliance.fleet.render import hosts, render_fleet
+
+    fleet = load_fleet(args.fleet)
+    members, warnings = hosts(fleet)
+    if warnings:
+        print(report(warnings), file=sys.stderr)
+    files = render_fleet(fleet, members)
+    for member in members:  # each host's tree as its own `apply` would check it
+        tree = f"hosts/{member.name}/"
+        _checked({path.removeprefix(tree): text for path, text in files.items() if path.startswith(tree)})
+    found = changes(files, args.out)
+    write(found, args.out)
+    print(f"rendered {len(files)} files for {len(members)} hosts into {args.out} ({len(found)} changed)")
+    return EXIT_OK
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     print(json.dumps(spec_schema(), indent=2, sort_keys=True))
     return EXIT_OK

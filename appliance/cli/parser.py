@@ -14,6 +14,8 @@ from appliance.cli.commands import (
     cmd_engine_info,
     cmd_engine_install,
     cmd_explain,
+    cmd_fleet_render,
+    cmd_fleet_validate,
     cmd_health,
     cmd_hold_driver,
     cmd_install,
@@ -50,7 +52,24 @@ def parser() -> argparse.ArgumentParser:
     _unit_commands(command)
     _machine_commands(command, sub)
     _measure_commands(command)
+    _fleet_commands(sub)
     return top
+
+
+def _fleet_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """A fleet of appliances behind HAProxy."""
+    fleet = sub.add_parser("fleet", help="a fleet of appliances behind HAProxy").add_subparsers(
+        dest="fleet_command", required=True, metavar="ACTION"
+    )
+    p = fleet.add_parser("validate", help="check a fleet file (its hosts' specs are checked by render)")
+    p.set_defaults(handler=cmd_fleet_validate)
+    p.add_argument("fleet", type=Path)
+    p = fleet.add_parser(
+        "render", help="render each host's tree, haproxy.cfg and Prometheus' targets, scrape jobs and rules"
+    )
+    p.set_defaults(handler=cmd_fleet_render)
+    p.add_argument("fleet", type=Path)
+    p.add_argument("--out", type=Path, required=True, help="directory to write into")
 
 
 def _spec_commands(command: Command) -> None:

@@ -37,9 +37,15 @@ class Validated:
 
 def validate(path: Path, facts: MachineFacts | None = None, vocab_reader: VocabReader = read_vocab) -> Validated:
     """Everything `validate` checks; raises SpecInvalid (errors and warnings, located) on any error."""
-    loaded = load_spec(path)
+    return validate_loaded(load_spec(path), facts, vocab_reader)
+
+
+def validate_loaded(
+    loaded: LoadedSpec, facts: MachineFacts | None = None, vocab_reader: VocabReader = read_vocab
+) -> Validated:
+    """`validate` of a spec already read (a fleet derives each host's spec from text of its own)."""
     spec = loaded.spec
-    found = _name_problems(path) + spec_problems(loaded) + key_problems(spec) + _schedule_problems(spec)
+    found = _name_problems(loaded.path) + spec_problems(loaded) + key_problems(spec) + _schedule_problems(spec)
     facts = facts or gather(spec)
     box, sandbox_problems = sandbox(spec, str(facts.binary) if facts.binary else spec.server.binary)
     found += sandbox_problems

@@ -212,6 +212,11 @@ def templates_dir() -> Path:
     return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "templates"
 
 
+def template(name: str) -> jinja2.Template:
+    """A template of templates/, set up as every rendered file's (StrictUndefined, trimmed blocks)."""
+    return _environment().get_template(name)
+
+
 def render(appliance: Appliance) -> dict[str, str]:
     """Every file of the appliance, by path relative to the root; the same appliance gives the same bytes."""
     context = view(appliance)

@@ -29,17 +29,31 @@ class KeyLines:
     def of(cls, text: str) -> KeyLines:
         found: dict[str, int] = {}
         table: list[str] = []
+        # An array of tables ([[hosts]]) is written once per element: its keys are also recorded with the
+        # element's index as pydantic names it (hosts.1.name), so an error points at that element's line.
+        arrays: dict[str, int] = {}
         for number, line in enumerate(text.splitlines(), start=1):
             if m := _TABLE.match(line):
                 table = _split_key(m.group(1))
+                if line.lstrip().startswith("[["):
+                    arrays[".".join(table)] = arrays.get(".".join(table), -1) + 1
                 found.setdefault(".".join(table), number)
+                found.setdefault(".".join(_indexed(table, arrays)), number)
             elif m := _KEY.match(line):
-                found.setdefault(".".join([*table, *_split_key(m.group(1))]), number)
+                key = _split_key(m.group(1))
+                found.setdefault(".".join([*table, *key]), number)
+                found.setdefault(".".join([*_indexed(table, arrays), *key]), number)
         return cls(found)
 
     def line_of(self, dotted: str) -> int | None:
-        # "server.extra_args[0]" is written on the line of "server.extra_args".
-        parts = re.sub(r"\[\d+\]", "", dotted).split(".")
+        # "hosts[1].name" and pydantic's "hosts.1.name" are the second [[hosts]]'s; "server.extra_args[0]" is
+        # written on the line of "server.extra_args".
+        indexed = re.sub(r"\[(\d+)\]", r".\1", dotted).split(".")
+        while len(indexed) > 1 and any(part.isdigit() for part in indexed):
+            if (line := self.lines.get(".".join(indexed))) is not None:
+                return line
+            indexed.pop()
+        parts = [part for part in re.sub(r"\[\d+\]", "", dotted).split(".") if not part.isdigit()]
         while parts:
             if (line := self.lines.get(".".join(parts))) is not None:
                 return line
@@ -48,6 +62,16 @@ class KeyLines:
 
     def has(self, dotted: str) -> bool:
         return dotted in self.lines
+
+
+def _indexed(table: list[str], arrays: dict[str, int]) -> list[str]:
+    """`table` with the index of each array of tables it lies in: hosts.overrides -> hosts.1.overrides."""
+    parts: list[str] = []
+    for depth, part in enumerate(table, start=1):
+        parts.append(part)
+        if (index := arrays.get(".".join(table[:depth]))) is not None:
+            parts.append(str(index))
+    return parts
 
 
 def _split_key(key: str) -> list[str]:
@@ -71,34 +95,40 @@ def locate(problem: Problem, path: Path, key_lines: KeyLines) -> Problem:
 
 def load_spec(path: Path) -> LoadedSpec:
     """Parse and type-check a spec file, or raise SpecInvalid listing every problem found."""
+    return parse_spec(read_text(path, "/etc/llm-appliance/appliance.toml"), path)
+
+
+def parse_spec(text: str, path: Path) -> LoadedSpec:
+    document, key_lines = parse_toml(text, path)
+    try:
+        spec = Spec.model_validate(document)
+    except ValidationError as exc:
+        raise SpecInvalid(located_problems(exc, document, path, key_lines)) from None
+    return LoadedSpec(spec, path, key_lines)
+
+
+def read_text(path: Path, example: str, what: str = "spec") -> str:
+    """A TOML file's text, or SpecInvalid saying why it cannot be read; `example` is a path to suggest."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         raise SpecInvalid(
-            [
-                Problem(
-                    Severity.ERROR,
-                    "(file)",
-                    "no such file",
-                    "check the path, e.g. /etc/llm-appliance/appliance.toml",
-                    path,
-                )
-            ]
+            [Problem(Severity.ERROR, "(file)", "no such file", f"check the path, e.g. {example}", path)]
         ) from None
     except OSError as exc:
         raise SpecInvalid(
             [Problem(Severity.ERROR, "(file)", f"cannot read: {exc.strerror}", "check the file's permissions", path)]
         ) from None
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise SpecInvalid(
-            [Problem(Severity.ERROR, "(file)", f"not UTF-8 text (byte {exc.start})", "save the spec as UTF-8", path)]
+            [Problem(Severity.ERROR, "(file)", f"not UTF-8 text (byte {exc.start})", f"save the {what} as UTF-8", path)]
         ) from None
-    return parse_spec(text, path)
 
 
-def parse_spec(text: str, path: Path) -> LoadedSpec:
+def parse_toml(text: str, path: Path) -> tuple[dict[str, Any], KeyLines]:
+    """The TOML document and where each key is written; SpecInvalid (located) on a syntax error."""
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -118,21 +148,22 @@ def parse_spec(text: str, path: Path) -> LoadedSpec:
                 )
             ]
         ) from None
-    key_lines = KeyLines.of(text)
-    try:
-        spec = Spec.model_validate(document)
-    except ValidationError as exc:
-        problems = [locate(_problem_from(err, document), path, key_lines) for err in exc.errors()]
-        raise SpecInvalid(problems) from None
-    return LoadedSpec(spec, path, key_lines)
+    return document, KeyLines.of(text)
 
 
-def _problem_from(err: Any, document: dict[str, Any]) -> Problem:
+def located_problems(
+    exc: ValidationError, document: dict[str, Any], path: Path, key_lines: KeyLines, root: type[BaseModel] = Spec
+) -> list[Problem]:
+    """pydantic's errors for `root` (the spec, or another file modelled the same way) as located problems."""
+    return [locate(_problem_from(err, document, root), path, key_lines) for err in exc.errors()]
+
+
+def _problem_from(err: Any, document: dict[str, Any], root: type[BaseModel]) -> Problem:
     loc = _written_loc(err["loc"], document)
     dotted = ".".join(loc)
     kind = err["type"]
     if kind == "extra_forbidden":
-        known = _known_keys(loc[:-1])
+        known = _known_keys(loc[:-1], root)
         close = difflib.get_close_matches(loc[-1], known, n=1)
         fix = f"did you mean '{close[0]}'?" if close else f"remove it; known keys here: {', '.join(sorted(known))}"
         return Problem(Severity.ERROR, dotted, "unknown key", fix)
@@ -214,8 +245,8 @@ def _fix_for(kind: str, err: Any) -> str:
     return "see the spec reference in README.md"
 
 
-def _known_keys(loc: list[str]) -> list[str]:
-    model: type[BaseModel] | None = Spec
+def _known_keys(loc: list[str], root: type[BaseModel]) -> list[str]:
+    model: type[BaseModel] | None = root
     for part in loc:
         if model is None:
             return []

@@ -1,0 +1,127 @@
+"""Each host's spec as the fleet derives it: the host's spec file, the fleet's and the host's overrides merged
+over it, then what the fleet owns: the host's address for llama-server and the exporter (the balancer and
+Prometheus reach both there), the balancer and Prometheus in network.allow, and a restart time of its own.
+
+The derived spec is TOML text edited from the original (comments kept), because it is what the host
+installs and applies: what runs on a host is what `apply` of that file renders, nothing fleet-only beside it.
+A problem in it is reported where the user wrote the value: the fleet file for what the fleet sets, the
+host's spec file for the rest.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomlkit
+from tomlkit.items import Table
+
+from appliance import __version__
+from appliance.fleet.load import LoadedFleet
+from appliance.fleet.model import Host, Rules
+from appliance.spec.load import KeyLines, LoadedSpec, locate, parse_spec, parse_toml, read_text
+from appliance.spec.model import Network
+from appliance.spec.problems import Problem, SpecInvalid
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    host: Host
+    source: Path  # the spec file it derives from
+    text: str  # the derived spec, as the host installs it
+    loaded: LoadedSpec  # `text`, read as a spec (its path: the source's, for the messages)
+    fleet: LoadedFleet
+
+    def locate(self, problem: Problem) -> Problem:
+        return where_written(problem, self.fleet, self.host, self.source)
+
+
+def where_written(problem: Problem, fleet: LoadedFleet, host: Host, source: Path) -> Problem:
+    """`problem`, found in a host's derived spec, where the user wrote the value: an override or a field the
+    fleet sets in the fleet file, the rest in the host's spec file."""
+    index = fleet.index(host)
+    table, _, rest = problem.field.partition(".")
+    for where, overrides in (
+        (f"hosts.{index}.overrides", host.overrides),
+        ("fleet.overrides", fleet.fleet.fleet.overrides),
+    ):
+        if rest.split(".")[0] in overrides.get(table, {}):
+            return _in_fleet(problem, fleet, host, f"{where}.{problem.field}")
+    owned = {
+        "server.host": f"hosts.{index}.address",
+        "prometheus.host": f"hosts.{index}.address",
+        "restart.schedule": "rules.restart_first",
+    }
+    if problem.field in owned:
+        return _in_fleet(problem, fleet, host, owned[problem.field])
+    # The line found in the derived text is not the source's: look it up again there.
+    unlocated = Problem(problem.severity, problem.field, problem.message, problem.fix)
+    return locate(unlocated, source, KeyLines.of(read_text(source, str(source))))
+
+
+def _in_fleet(problem: Problem, fleet: LoadedFleet, host: Host, field: str) -> Problem:
+    message = f"{problem.message} (in host {host.name}'s spec as the fleet derives it: {problem.field})"
+    readable = re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", field)
+    return Problem(problem.severity, readable, message, problem.fix, fleet.path, fleet.key_lines.line_of(field))
+
+
+def schedule(rules: Rules, index: int) -> str:
+    """The index-th host's OnCalendar=: restart_first, then restart_spacing_minutes apart (wrapping at midnight)."""
+    hours, minutes = (int(part) for part in rules.restart_first.split(":"))
+    at = (hours * 60 + minutes + index * rules.restart_spacing_minutes) % (24 * 60)
+    return f"*-*-* {at // 60:02d}:{at % 60:02d}:00"
+
+
+def derive(fleet: LoadedFleet, host: Host) -> HostSpec:
+    """The host's spec text and its parse; SpecInvalid (located in the fleet or the host's spec) if it fails."""
+    source = fleet.spec_of(host)
+    original = read_text(source, str(source))
+    parse_toml(original, source)  # a syntax error, located, before tomlkit's own words for it
+    document = tomlkit.parse(original)
+    for overrides in (fleet.fleet.fleet.overrides, host.overrides):
+        for table, values in overrides.items():
+            _merge(_table(document, table), values)
+    f = fleet.fleet
+    _table(document, "server")["host"] = host.address
+    _table(document, "prometheus")["host"] = host.address
+    # The host's own scrape jobs and rules carry the labels the fleet's targets give it.
+    labels = _table(document, "prometheus").get("labels")
+    if labels is None:
+        labels = _table(document, "prometheus")["labels"] = tomlkit.inline_table()
+    labels.update({"appliance": f.fleet.name, "host": host.name})
+    allow = document.get("network", {}).get("allow", Network().allow)
+    extra = [_network(a) for a in (f.balancer.address, f.prometheus.address) if a is not None]
+    _table(document, "network")["allow"] = list(dict.fromkeys([*(str(a) for a in allow), *extra]))
+    _table(document, "restart")["schedule"] = schedule(f.rules, fleet.index(host))
+    header = (
+        f"# host {host.name} of fleet {f.fleet.name}: generated from {fleet.path.name} and {source.name} by "
+        f"llm-appliance {__version__};\n# edit those and run `llm-appliance fleet render`, not this file.\n"
+    )
+    text = header + tomlkit.dumps(document)
+    try:
+        loaded = parse_spec(text, source)
+    except SpecInvalid as exc:
+        raise SpecInvalid([where_written(p, fleet, host, source) for p in exc.problems]) from None
+    return HostSpec(host, source, text, loaded, fleet)
+
+
+def _table(document: Any, name: str) -> Table:
+    if name not in document:
+        document[name] = tomlkit.table()
+    table: Table = document[name]
+    return table
+
+
+def _merge(table: Any, values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(table.get(key), dict):
+            _merge(table[key], value)
+        else:
+            table[key] = value
+
+
+def _network(address: str) -> str:
+    return str(ipaddress.ip_network(address))

@@ -1,0 +1,113 @@
+"""The fleet file as written: hosts, the balancer in front of them, and the rules they keep together.
+
+Modelled like the spec (strict, unknown keys refused), so its errors read like the spec's. A host's spec is
+the shared one (or its own), with `overrides` merged over it table by table; the fleet then sets what it owns
+(see hosts.py): the listen addresses, the balancer in network.allow, the restart schedule.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, Field, field_validator
+
+from appliance.spec.model import FilePath, Line, Strict
+
+HOST_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+CLOCK = re.compile(r"^([01][0-9]|2[0-3]):([0-5][0-9])$")
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+def _ip(value: str) -> str:
+    # An address, not a name: it goes into network.allow (as a /32 or /128) and into haproxy.cfg verbatim.
+    try:
+        if "%" in value:
+            raise ValueError
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not an IP address; write the address, e.g. 192.168.1.11") from None
+    return value
+
+
+IP = Annotated[str, AfterValidator(_ip)]
+
+
+class Balancer(Strict):
+    """HAProxy on its own host. It passes each client's Authorization header through unchanged: every host
+    must accept the same keys (the same server.api_key_file content), and the balancer holds none."""
+
+    address: IP
+    port: Port = 8000
+    # HAProxy's own Prometheus endpoint (`http-request use-service prometheus-exporter`) and /stats.
+    stats_port: Port = 8404
+    # A host that goes not-ready leaves the rotation after check_interval x fall; the daemon's drain waits that.
+    check_interval_seconds: Annotated[int, Field(ge=1, le=60)] = 2
+    fall: Annotated[int, Field(ge=1, le=10)] = 2
+    rise: Annotated[int, Field(ge=1, le=10)] = 2
+    # Attempts after a refused or empty answer, each on another host (option redispatch).
+    retries: Annotated[int, Field(ge=0, le=10)] = 3
+    connect_timeout_seconds: Annotated[int, Field(ge=1, le=60)] = 5
+    # The longest a generation may take before HAProxy gives up on it (and the client's idle limit too).
+    server_timeout_seconds: Annotated[int, Field(ge=10, le=86400)] = 600
+    # How long a request may wait in HAProxy's queue for a free slot (maxconn per host = its server.parallel).
+    queue_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 60
+
+
+class Rules(Strict):
+    min_ready: Annotated[int, Field(ge=1, le=1000)] = 1
+    # Scheduled restarts: the first host at restart_first (daily), each next one restart_spacing_minutes later,
+    # so no two share a time (and a restart's drain, load and warm-up fit in between).
+    restart_first: Line = "04:00"
+    restart_spacing_minutes: Annotated[int, Field(ge=5, le=720)] = 30
+
+    @field_validator("restart_first")
+    @classmethod
+    def _clock(cls, value: str) -> str:
+        if not CLOCK.match(value):
+            raise ValueError("is not a time of day as HH:MM (24 h), e.g. '04:00'")
+        return value
+
+
+class Prometheus(Strict):
+    """The Prometheus that watches the fleet: its address joins every host's network.allow (it scrapes the
+    exporter and llama-server), and it reads the targets files from `files_dir`."""
+
+    address: IP | None = None
+    files_dir: FilePath = Path("/etc/prometheus/llm-appliance")
+
+
+class Host(Strict):
+    name: str
+    address: IP
+    spec: FilePath | None = None  # relative to the fleet file; default: the fleet's shared spec
+    # Tables of the spec, merged over it: {server = {threads = 8}} or [hosts.overrides.server] below the host.
+    overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not HOST_NAME.match(value):
+            raise ValueError(
+                "is not a host name of the fleet; use lower-case letters, digits and -, e.g. gpu-1 (it becomes "
+                "an HAProxy server name, a directory and a Prometheus label)"
+            )
+        return value
+
+
+class FleetOptions(Strict):
+    # The `appliance` label of every target and alert of this fleet.
+    name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
+    spec: FilePath | None = None  # the shared spec, relative to the fleet file
+    # Tables of the spec merged over every host's (before the host's own overrides), e.g. the API key file.
+    overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class Fleet(Strict):
+    fleet: FleetOptions
+    balancer: Balancer
+    rules: Rules = Rules()
+    prometheus: Prometheus = Prometheus()
+    hosts: Annotated[list[Host], Field(min_length=1)]

@@ -1,0 +1,202 @@
+"""The fleet's files: each host's tree (its derived spec, rendered as `apply` renders it), haproxy.cfg for the
+balancer, and for Prometheus the file_sd targets (one entry per host and job), the scrape jobs that read
+them, each host's alert rules and the fleet's own.
+
+`hosts()` validates and resolves each host (it reads the model files, as `render` does); `render_fleet` is
+pure: the same fleet and hosts give the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+
+from appliance import __version__
+from appliance.facts.machine import MachineFacts
+from appliance.fleet.hosts import HostSpec, derive, where_written
+from appliance.fleet.load import LoadedFleet
+from appliance.fleet.model import Fleet, Host
+from appliance.plan.resolved import Appliance, resolve
+from appliance.plan.validate import validate_loaded
+from appliance.render.apply import installed_spec_path
+from appliance.render.render import duration, render, template
+from appliance.spec.problems import Problem, Severity, SpecInvalid, error
+
+HAPROXY_CFG = "balancer/etc/haproxy/haproxy.cfg"
+PROMETHEUS = "prometheus"
+HOST_RULES = "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml"
+JOBS = {"health": "llm-appliance-health", "server": "llm-appliance-llama-server", "balancer": "llm-appliance-haproxy"}
+# When the fleet is short of ready hosts long enough to matter: longer than one host's restart takes.
+BELOW_MIN_READY_FOR = 300
+
+
+@dataclass(frozen=True)
+class FleetHost:
+    spec: HostSpec
+    appliance: Appliance
+
+    @property
+    def name(self) -> str:
+        return self.spec.host.name
+
+
+def hosts(fleet: LoadedFleet, facts: MachineFacts | None = None) -> tuple[list[FleetHost], list[Problem]]:
+    """Every host's spec derived, validated (with this machine's facts) and resolved, and the warnings; SpecInvalid
+    with every host's problems, located where they were written, otherwise."""
+    found: list[Problem] = []
+    done: list[FleetHost] = []
+    for host in fleet.fleet.hosts:
+        try:
+            derived = derive(fleet, host)
+            validated = validate_loaded(derived.loaded, facts)
+        except SpecInvalid as exc:
+            found += _relocated(exc, fleet, host)
+            continue
+        found += [derived.locate(p) for p in validated.warnings]
+        done.append(FleetHost(derived, resolve(validated.plan, installed_spec_path(derived.source))))
+    found += [fleet.locate(p) for p in _endpoint_problems(done, fleet)]
+    if any(p.severity is Severity.ERROR for p in found):
+        raise SpecInvalid(found)
+    return done, found
+
+
+def _relocated(exc: SpecInvalid, fleet: LoadedFleet, host: Host) -> list[Problem]:
+    # derive's problems are located already (in the fleet file or the host's spec); validate's are not yet.
+    return [p if p.file == fleet.path else where_written(p, fleet, host, fleet.spec_of(host)) for p in exc.problems]
+
+
+def _endpoint_problems(done: list[FleetHost], fleet: LoadedFleet) -> list[Problem]:
+    """Two hosts on one address must not share a port: the balancer would send both hosts' share to one."""
+    seen = Counter(endpoint.address for h in done for endpoint in (h.appliance.server, h.appliance.exporter))
+    return [
+        error(
+            f"hosts.{fleet.index(h.spec.host)}.address",
+            f"{endpoint.address} is used twice in the fleet",
+            "give each host its own address, or its own server.port and prometheus.port (hosts.overrides)",
+        )
+        for h in done
+        for endpoint in (h.appliance.server, h.appliance.exporter)
+        if seen[endpoint.address] > 1
+    ]
+
+
+def render_fleet(fleet: LoadedFleet, members: list[FleetHost]) -> dict[str, str]:
+    """Every file of the fleet, by path relative to the output directory."""
+    f = fleet.fleet
+    header = (
+        f"generated from {fleet.path.name} by llm-appliance {__version__}; edit the fleet file and run "
+        "`llm-appliance fleet render`, not this file"
+    )
+    files: dict[str, str] = {}
+    for member in members:
+        tree = f"hosts/{member.name}"
+        files.update({f"{tree}/{path}": text for path, text in render(member.appliance).items()})
+        files[f"{tree}/{str(member.appliance.spec_file).lstrip('/')}"] = member.spec.text
+        # Prometheus loads each host's rules from one directory; the host's tree keeps its own copy too.
+        files[f"{PROMETHEUS}/rules/{member.name}.rules.yml"] = files[f"{tree}/{HOST_RULES}"]
+    files[HAPROXY_CFG] = template("fleet/haproxy.cfg.j2").render(v=_haproxy(f, members, header))
+    files.update(_prometheus(fleet, members, header))
+    return dict(sorted(files.items()))
+
+
+@dataclass(frozen=True)
+class BackendServer:
+    name: str
+    server: str  # address:port of llama-server
+    check_port: int  # the exporter's, where /ready is
+    maxconn: int  # the host's slots: more would wait inside llama-server, where no other host can take them
+
+
+@dataclass(frozen=True)
+class HaproxyView:
+    header: str
+    haproxy_version: str
+    maxconn: int
+    connect_timeout: str
+    server_timeout: str
+    queue_timeout: str
+    api_bind: str
+    stats_bind: str
+    retries: int
+    check_interval: str
+    fall: int
+    rise: int
+    hosts: tuple[BackendServer, ...]
+
+
+def _haproxy(f: Fleet, members: list[FleetHost], header: str) -> HaproxyView:
+    b = f.balancer
+    servers = tuple(
+        BackendServer(m.name, m.appliance.server.address, m.appliance.exporter.port, m.appliance.spec.server.parallel)
+        for m in members
+    )
+    return HaproxyView(
+        header=header,
+        haproxy_version="2.6",
+        maxconn=max(1024, 4 * sum(s.maxconn for s in servers)),
+        connect_timeout=f"{b.connect_timeout_seconds}s",
+        server_timeout=f"{b.server_timeout_seconds}s",
+        queue_timeout=f"{b.queue_timeout_seconds}s",
+        api_bind=_address(b.address, b.port),
+        stats_bind=_address(b.address, b.stats_port),
+        retries=b.retries,
+        check_interval=f"{b.check_interval_seconds}s",
+        fall=b.fall,
+        rise=b.rise,
+        hosts=servers,
+    )
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _prometheus(fleet: LoadedFleet, members: list[FleetHost], header: str) -> dict[str, str]:
+    f = fleet.fleet
+    files_dir = f.prometheus.files_dir
+
+    def targets(entries: list[tuple[str, str]]) -> str:
+        groups = [
+            {"targets": [address], "labels": {"appliance": f.fleet.name, "host": host}} for host, address in entries
+        ]
+        return json.dumps(groups, indent=2) + "\n"
+
+    found = {
+        "health": targets([(m.name, m.appliance.exporter.address) for m in members]),
+        "server": targets([(m.name, m.appliance.server.address) for m in members]),
+        "balancer": targets([("balancer", _address(f.balancer.address, f.balancer.stats_port))]),
+    }
+    files = {f"{PROMETHEUS}/targets/{JOBS[job]}.json": text for job, text in found.items()}
+    keys = {m.appliance.scrape_key_file for m in members}
+    key = next(iter(keys)) if len(keys) == 1 else None
+    interval = min(m.appliance.spec.prometheus.scrape_interval_seconds for m in members)
+    scrape = {
+        "header": header,
+        "files_dir": str(files_dir),
+        "scrape_interval": f"{interval}s",
+        "scrape_key_file": json.dumps(str(key)) if key else None,
+        "targets": {job: json.dumps(str(files_dir / f"{JOBS[job]}.json")) for job in JOBS},
+    }
+    files[f"{PROMETHEUS}/scrape.yml"] = template("fleet/scrape.yml.j2").render(v=scrape)
+    drain = f.balancer.check_interval_seconds * f.balancer.fall
+    idle = max(m.appliance.spec.restart.idle_timeout_seconds for m in members)
+    name = json.dumps(f.fleet.name)
+    rules = {
+        "header": header,
+        "name": f.fleet.name,
+        "appliance": name,
+        "hosts": len(members),
+        "min_ready": f.rules.min_ready,
+        "below_min_ready_for": duration(BELOW_MIN_READY_FOR),
+        # Draining lasts the balancer's drain and the longest wait for idle; past both (and a margin), it is stuck.
+        "draining_for": duration(drain + idle + 300),
+        "balancer": _address(f.balancer.address, f.balancer.stats_port),
+        "selectors": {
+            "ready": f"llm_appliance_ready{{appliance={name}}}",
+            "draining": f"llm_appliance_draining{{appliance={name}}}",
+            "balancer_scraped": f'up{{job="{JOBS["balancer"]}", appliance={name}}}',
+        },
+    }
+    files[f"{PROMETHEUS}/rules/fleet.rules.yml"] = template("fleet/fleet.rules.yml.j2").render(v=rules)
+    return files

@@ -1,0 +1,184 @@
+"""The fleet file and `fleet render`: located errors for bad fleet files, each host's tree as its spec renders,
+and haproxy.cfg, targets, scrape jobs and rules that HAProxy and promtool accept."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLES, KeyFile
+
+from appliance.cli.main import main
+from appliance.fleet.hosts import schedule
+from appliance.fleet.load import load_fleet
+from appliance.fleet.model import Rules
+from appliance.spec.problems import SpecInvalid
+
+HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+
+
+def write_fleet(directory: Path, edit: Callable[[str], str] = lambda text: text) -> Path:
+    path = directory / "fleet.toml"
+    path.write_text(edit((EXAMPLES / "fleet.toml").read_text()))
+    return path
+
+
+def problems_of(path: Path) -> list[str]:
+    with pytest.raises(SpecInvalid) as caught:
+        load_fleet(path)
+    return [p.render() for p in caught.value.problems]
+
+
+def test_the_example_fleet_validates() -> None:
+    fleet = load_fleet(EXAMPLES / "fleet.toml").fleet
+    assert [h.name for h in fleet.hosts] == ["demo-1", "demo-2", "demo-3"]
+    assert fleet.rules.min_ready == 2
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field", "words"),
+    [
+        ('name = "demo-2"', 'name = "demo-1"', "hosts[1].name", "names more than one host"),
+        ('address = "10.0.0.12"', 'address = "gpu-2.lan"', "hosts[1].address", "not an IP address"),
+        ("min_ready = 2", "min_ready = 3", "rules.min_ready", "no host could ever restart"),
+        ('restart_first = "04:00"', 'restart_first = "4am"', "rules.restart_first", "HH:MM"),
+        ("restart_spacing_minutes = 20", "restart_spacing_minutes = 600", "rules.restart_spacing_minutes", "a day"),
+        ("threads = 4", 'host = "0.0.0.0"', "hosts[2].overrides.server.host", "the fleet's to set"),
+        ("fall = 2 ", "falls = 2 ", "balancer.falls", "unknown key"),
+        ('spec = "demo.toml"', "", "hosts[0].spec", "no spec"),
+    ],
+)
+def test_a_bad_fleet_file_is_refused_with_file_line_field_and_fix(
+    tmp_path: Path, old: str, new: str, field: str, words: str
+) -> None:
+    path = write_fleet(tmp_path, lambda text: text.replace(old, new, 1))
+    assert old in (EXAMPLES / "fleet.toml").read_text()
+    found = problems_of(path)
+    matching = [p for p in found if f": error: {field}: " in p and words in p]
+    assert matching, found
+    line = int(re.match(rf"{re.escape(str(path))}:(\d+): ", matching[0]).group(1))  # type: ignore[union-attr]
+    written = field.split(".")[-1].split("[")[0]
+    assert written in path.read_text().splitlines()[line - 1] or field.endswith("spec"), (line, matching[0])
+    assert "\n    fix: " in matching[0]
+
+
+def test_schedules_are_spread_and_wrap_at_midnight() -> None:
+    rules = Rules(restart_first="23:30", restart_spacing_minutes=20)
+    assert [schedule(rules, i) for i in range(3)] == ["*-*-* 23:30:00", "*-*-* 23:50:00", "*-*-* 00:10:00"]
+
+
+@pytest.fixture
+def fleet_file(tmp_path: Path, example: Callable[..., Path], key_file: KeyFile) -> Path:
+    """The example fleet over the demo spec (its models the real ones), with a real key file and the targets
+    directory in tmp_path."""
+    example("demo.toml")
+    keys = key_file("fleet-key-1")
+    return write_fleet(
+        tmp_path,
+        lambda text: text.replace("/etc/llm-appliance/api-keys", str(keys)).replace(
+            "[prometheus]\n", f'[prometheus]\nfiles_dir = "{tmp_path / "out" / "prometheus" / "targets"}"\n'
+        ),
+    )
+
+
+@pytest.fixture
+def rendered(fleet_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    out = tmp_path / "out"
+    assert main(["fleet", "render", str(fleet_file), "--out", str(out)]) == 0, capsys.readouterr().err
+    return out
+
+
+def test_each_host_tree_is_its_derived_spec_rendered(rendered: Path) -> None:
+    for index, name in enumerate(["demo-1", "demo-2", "demo-3"]):
+        tree = rendered / "hosts" / name
+        snapshot = json.loads((tree / "etc/llm-appliance/rendered/appliance.json").read_text())
+        spec = snapshot["spec"]
+        assert spec["server"]["host"] == spec["prometheus"]["host"] == f"10.0.0.{11 + index}"
+        assert "10.0.0.10/32" in spec["network"]["allow"] and "10.0.0.9/32" in spec["network"]["allow"]
+        assert spec["prometheus"]["labels"] == {"appliance": "demo", "host": name}
+        assert (
+            f"OnCalendar=*-*-* 04:{20 * index:02d}:00"
+            in (tree / "etc/systemd/system/llm-appliance-restart.timer").read_text()
+        )
+        assert (tree / "etc/llm-appliance/demo.toml").read_text().startswith(f"# host {name} of fleet demo")
+    assert (
+        json.loads((rendered / "hosts/demo-3/etc/llm-appliance/rendered/appliance.json").read_text())["spec"]["server"][
+            "threads"
+        ]
+        == 4
+    )
+
+
+@pytest.mark.fleet
+def test_haproxy_accepts_the_rendered_config(rendered: Path) -> None:
+    cfg = rendered / "balancer/etc/haproxy/haproxy.cfg"
+    text = cfg.read_text()
+    for line in (
+        "balance leastconn",
+        "option httpchk GET /ready",
+        "retry-on conn-failure empty-response response-timeout",
+        "option redispatch 1",
+        "http-request use-service prometheus-exporter if { path /metrics }",
+        "server demo-2 10.0.0.12:8080 check port 9478 maxconn 1",
+        "default-server inter 2s fall 2 rise 2",
+    ):
+        assert line in text
+    # -c parses and resolves everything but binds nothing: the example's addresses need not exist here.
+    result = subprocess.run([HAPROXY, "-c", "-f", str(cfg)], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.fleet
+def test_haproxy_refuses_a_broken_config(rendered: Path, tmp_path: Path) -> None:
+    # The check above can fail: the same config with one word wrong is refused.
+    broken = tmp_path / "broken.cfg"
+    broken.write_text((rendered / "balancer/etc/haproxy/haproxy.cfg").read_text().replace("leastconn", "fewestconn"))
+    result = subprocess.run([HAPROXY, "-c", "-f", str(broken)], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode != 0
+
+
+def test_file_sd_has_one_entry_per_host_and_job(rendered: Path) -> None:
+    targets = rendered / "prometheus/targets"
+    health = json.loads((targets / "llm-appliance-health.json").read_text())
+    server = json.loads((targets / "llm-appliance-llama-server.json").read_text())
+    assert [g["targets"] for g in health] == [["10.0.0.11:9478"], ["10.0.0.12:9478"], ["10.0.0.13:9478"]]
+    assert [g["targets"] for g in server] == [["10.0.0.11:8080"], ["10.0.0.12:8080"], ["10.0.0.13:8080"]]
+    assert [g["labels"] for g in health] == [{"appliance": "demo", "host": f"demo-{i}"} for i in (1, 2, 3)]
+
+
+def test_promtool_accepts_the_rules_and_a_config_using_the_file_sd(rendered: Path, tmp_path: Path) -> None:
+    prometheus = rendered / "prometheus"
+    rules = sorted((prometheus / "rules").glob("*.yml"))
+    assert [r.name for r in rules] == ["demo-1.rules.yml", "demo-2.rules.yml", "demo-3.rules.yml", "fleet.rules.yml"]
+    result = subprocess.run(
+        [PROMTOOL, "check", "rules", *map(str, rules)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    jobs = "\n".join("  " + line for line in (prometheus / "scrape.yml").read_text().splitlines())
+    config = tmp_path / "prometheus.yml"
+    config.write_text("rule_files:\n" + "".join(f"  - {r}\n" for r in rules) + "scrape_configs:\n" + jobs + "\n")
+    result = subprocess.run(
+        [PROMTOOL, "check", "config", str(config)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_host_spec_problem_is_located_where_the_fleet_wrote_it(
+    fleet_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = fleet_file.read_text()
+    missing = "/var/lib/llm-appliance-no-such-dir/api-keys"
+    fleet_file.write_text(re.sub(r'api_key_file = "[^"]*"', f'api_key_file = "{missing}"', text))
+    out = tmp_path / "refused"
+    assert main(["fleet", "render", str(fleet_file), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    line = next(n for n, row in enumerate(fleet_file.read_text().splitlines(), start=1) if missing in row)
+    assert f"{fleet_file}:{line}: error: fleet.overrides.server.api_key_file: " in err, err
+    assert "as the fleet derives it: server.api_key_file" in err
+    assert not out.exists()
