@@ -765,3 +765,33 @@ def test_an_idle_server_is_measured_by_a_canary(tmp_path: Path) -> None:
     for _ in range(30):
         rig.check(None)
     assert len(rig.api.completions) == 1
+
+
+# -- readiness for balancers (/ready) --
+
+
+def test_readiness_follows_the_server_loading_up_down_and_a_restart(rig: Rig) -> None:
+    readiness = rig.daemon.readiness
+    assert readiness.reason == "loading"  # nothing seen yet
+    rig.api.health_status = 503  # llama-server loading its model
+    rig.check(None)
+    assert readiness.reason == "loading"
+    rig.api.health_status = 200
+    rig.check(None)
+    assert readiness.reason is None and rig.value("llm_appliance_ready") == 1
+    rig.api.health_error = ServerUnreachable("connection refused")
+    rig.check(None)
+    assert readiness.reason == "down" and rig.value("llm_appliance_ready") == 0
+    rig.api.health_error = None
+    rig.check(None)
+    rig.daemon.restart("manual", "test", rig.clock.now)
+    assert readiness.reason == "restarting"
+    rig.check(None)
+    assert readiness.reason is None
+
+
+def test_a_draining_daemon_stays_not_ready_while_the_server_is_up(rig: Rig) -> None:
+    rig.daemon.draining = True
+    rig.check(None)
+    assert rig.daemon.readiness.reason == "draining"
+    assert rig.value("llm_appliance_draining") == 1 and rig.value("llm_appliance_ready") == 0

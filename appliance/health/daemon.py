@@ -26,7 +26,7 @@ from appliance.health.detectors import (
     speculation,
     window,
 )
-from appliance.health.exporter import Metrics
+from appliance.health.exporter import Metrics, Readiness
 from appliance.health.state import RestartLog
 from appliance.health.units import ServerControl, UnitError, descendants
 from appliance.plan.resolved import Appliance
@@ -92,10 +92,14 @@ class HealthDaemon:
         metrics: Metrics | None = None,
         api: ServerApi | None = None,
         clock: Callable[[], float] = time.time,
+        readiness: Readiness | None = None,
     ) -> None:
         health, restart = config.spec.health, config.spec.restart
         self.config, self.control, self.nvml, self.clock = config, control, nvml, clock
         self.metrics = metrics or Metrics()
+        # What /ready says to a balancer; the exporter serves the same object.
+        self.readiness = readiness or Readiness(self.metrics)
+        self.draining = False
         timeout = min(health.probe_timeout_seconds, 0.8 * health.interval_seconds)
         appliance = config.appliance
         self.api = api or ServerApi(appliance.server.url, read_api_key(appliance.api_key_file), timeout=timeout)
@@ -155,14 +159,17 @@ class HealthDaemon:
     def _probe_server(self, seen: Observation) -> None:
         self.metrics.unit_active.set(1 if self._unit_active() else 0)
         try:
-            seen.up = self.api.health() == 200
+            status = self.api.health()
+            seen.up = status == 200
             self.hung_checks = 0
         except ServerUnreachable as exc:
-            seen.up = False
+            status, seen.up = None, False
             self.metrics.probe_errors.labels("health").inc()
             # A server that accepts and never answers is hung; a refused connection is merely down.
             self.hung_checks = self.hung_checks + 1 if "timed out" in str(exc) and self._unit_active() else 0
         self.metrics.server_up.set(1 if seen.up else 0)
+        # llama-server answers /health with 503 while it loads the model (and before), and not at all when down.
+        self.readiness.set("draining" if self.draining else None if seen.up else "loading" if status == 503 else "down")
         if not seen.up:
             return
         try:
@@ -374,6 +381,8 @@ class HealthDaemon:
         self.creep.after_restart()
         self.previous, self.warmed_up, self.hung_checks, self.low_headroom_checks = None, False, 0, 0
         self.last_tokens_at = now
+        # Not ready until a check sees the restarted server answer /health again.
+        self.readiness.set("restarting")
         try:
             self.control.restart(reason)
         except UnitError as exc:

@@ -6,8 +6,15 @@ happens (an alert on `increase(...restarts_total[6h])` needs the series to exist
 
 from __future__ import annotations
 
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import make_wsgi_app
 
 PREFIX = "llm_appliance"
 RESTART_REASONS = ("decay", "creep", "headroom", "hang", "not_on_gpu", "scheduled", "manual")
@@ -63,6 +70,8 @@ class Metrics:
             "restart_budget_exhausted", "1 when max_per_hour was reached and restarts stopped"
         )
         self.restart_pending = gauge("restart_pending", "1 while a wanted restart waits for idle or the cooldown")
+        self.ready = gauge("ready", "1 when /ready answers 200: llama-server is up and not draining")
+        self.draining = gauge("draining", "1 while the daemon keeps new requests away before a restart")
         self.check_duration = gauge("check_duration_seconds", "Duration of the last health check")
         self.probe_errors = counter("probe_errors", "Probes that failed, by probe", ("probe",))
         for reason in RESTART_REASONS:
@@ -71,14 +80,90 @@ class Metrics:
             self.probe_errors.labels(probe)
 
 
+# Why /ready answers 503; "loading" until the first check has seen the server (a fresh daemon knows nothing).
+NOT_READY = ("loading", "down", "draining", "restarting")
+
+
+class Readiness:
+    """What /ready answers, for a balancer's health check: None (200) or why not (503). The daemon sets it
+    from its checks and its restart path; the exporter's threads read it."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._lock = threading.Lock()
+        self._metrics = metrics
+        self._reason: str | None = "loading"
+        self._changed = threading.Condition(self._lock)
+        self._publish()
+
+    def set(self, reason: str | None) -> None:
+        assert reason is None or reason in NOT_READY, reason
+        with self._lock:
+            self._reason = reason
+            self._publish()
+            self._changed.notify_all()
+
+    @property
+    def reason(self) -> str | None:
+        with self._lock:
+            return self._reason
+
+    def wait_for(self, predicate: Callable[[str | None], bool], timeout: float) -> bool:
+        """Until `predicate(reason)` holds (True) or `timeout` seconds pass (False): tests wait on the change."""
+        with self._changed:
+            return self._changed.wait_for(lambda: predicate(self._reason), timeout)
+
+    def _publish(self) -> None:
+        self._metrics.ready.set(1 if self._reason is None else 0)
+        self._metrics.draining.set(1 if self._reason == "draining" else 0)
+
+
 class ExporterUnavailable(Exception):
     """The metrics port cannot be opened; the message names the port and the spec field."""
 
 
-def serve(metrics: Metrics, host: str, port: int) -> None:
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper never holds the daemon's exit
+
+
+class _ThreadingServer6(_ThreadingServer):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # every scrape and check is no news
+        pass
+
+
+def app(metrics: Metrics, readiness: Readiness) -> Callable[..., Iterable[bytes]]:
+    """/ready for balancers; everything else is the Prometheus exposition, as before."""
+    exposition = make_wsgi_app(metrics.registry)
+
+    def route(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/ready":
+            result: Iterable[bytes] = exposition(environ, start_response)
+            return result
+        reason = readiness.reason
+        body = b"ready\n" if reason is None else f"not ready: {reason}\n".encode()
+        status = "200 OK" if reason is None else "503 Service Unavailable"
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return route
+
+
+def serve(metrics: Metrics, host: str, port: int, readiness: Readiness | None = None) -> WSGIServer:
+    """The exporter in a thread of its own: /metrics (and every other path) and /ready. Port 0 picks a free one."""
+    # wsgiref's server is IPv4 unless told: an exporter on ::1 or an IPv6 address needs AF_INET6.
+    family = (
+        type("Server", (_ThreadingServer,), {"address_family": socket.AF_INET6}) if ":" in host else _ThreadingServer
+    )
     try:
-        start_http_server(port, addr=host, registry=metrics.registry)
+        server: WSGIServer = make_server(
+            host, port, app(metrics, readiness or Readiness(metrics)), family, handler_class=_QuietHandler
+        )
     except OSError as exc:
         raise ExporterUnavailable(
             f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; free the port or set prometheus.port"
         ) from None
+    threading.Thread(target=server.serve_forever, daemon=True, name="exporter").start()
+    return server

@@ -13,7 +13,7 @@ import time
 from appliance.facts.gpu import Pynvml
 from appliance.health import versions
 from appliance.health.daemon import DaemonConfig, HealthDaemon
-from appliance.health.exporter import Metrics, serve
+from appliance.health.exporter import Metrics, Readiness, serve
 from appliance.health.privileges import AS_CURRENT_USER, become, prepare, say_what_is_not_enforced, service_user
 from appliance.health.state import RestartLog
 from appliance.health.units import SystemdUnit, UnitError
@@ -28,8 +28,11 @@ log = logging.getLogger("llm-appliance.health")
 
 def run_daemon(appliance: Appliance) -> int:
     metrics = Metrics()
-    serve(metrics, appliance.exporter.host, appliance.exporter.port)
-    daemon = HealthDaemon(DaemonConfig(appliance), SystemdUnit(paths.SERVER_UNIT), Pynvml(), metrics)
+    readiness = Readiness(metrics)
+    serve(metrics, appliance.exporter.host, appliance.exporter.port, readiness)
+    daemon = HealthDaemon(
+        DaemonConfig(appliance), SystemdUnit(paths.SERVER_UNIT), Pynvml(), metrics, readiness=readiness
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -114,9 +117,10 @@ def up(appliance: Appliance, stop_timeout: float, as_current_user: bool = False)
         print(AS_CURRENT_USER, file=sys.stderr, flush=True)
     spec = appliance.spec
     metrics = Metrics()
-    serve(metrics, appliance.exporter.host, appliance.exporter.port)
+    readiness = Readiness(metrics)
+    serve(metrics, appliance.exporter.host, appliance.exporter.port, readiness)
     launcher = Launcher(LaunchPlan.of(appliance), stop_timeout=stop_timeout)
-    daemon = HealthDaemon(DaemonConfig(appliance), LauncherControl(launcher), Pynvml(), metrics)
+    daemon = HealthDaemon(DaemonConfig(appliance), LauncherControl(launcher), Pynvml(), metrics, readiness=readiness)
     # The daemon's READY/STATUS must not reach the launcher's socket: one process, one notifier.
     thread = threading.Thread(
         target=daemon.run, args=(launcher.stop_requested, Notifier(enabled=False)), daemon=True, name="health"
