@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 from conftest import EXAMPLES, KeyFile
+from pydantic import ValidationError
 
 from appliance.cli.main import main
 from appliance.fleet.hosts import schedule
 from appliance.fleet.load import load_fleet
 from appliance.fleet.model import Rules
+from appliance.spec.model import Spec
 from appliance.spec.problems import SpecInvalid
 
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
@@ -115,6 +117,42 @@ def test_each_host_tree_is_its_derived_spec_rendered(rendered: Path) -> None:
     )
 
 
+def test_each_host_spec_names_its_peers_min_ready_and_the_drain(rendered: Path) -> None:
+    for index, name in enumerate(["demo-1", "demo-2", "demo-3"]):
+        spec = json.loads((rendered / "hosts" / name / "etc/llm-appliance/rendered/appliance.json").read_text())["spec"]
+        others = {f"demo-{i + 1}": f"http://10.0.0.{11 + i}:9478/ready" for i in range(3) if i != index}
+        # 2 s x (fall 2 + 1): HAProxy's fall checks and one more for a check already under way.
+        assert spec["fleet"] == {"host": name, "peers": others, "min_ready": 2, "drain_seconds": 6}
+        # Peers read this host's /ready: each is a client of its exporter.
+        assert {f"10.0.0.{11 + i}/32" for i in range(3) if i != index} <= set(spec["network"]["allow"])
+        assert f"10.0.0.{11 + index}/32" not in spec["network"]["allow"]
+
+
+def test_each_host_may_reach_its_peers_ready_through_its_egress_filter(rendered: Path) -> None:
+    ruleset = (rendered / "hosts/demo-2/etc/llm-appliance/rendered/llm-appliance.nft").read_text()
+    for peer in ("10.0.0.11", "10.0.0.13"):
+        assert f'meta skuid "llm-appliance" ip daddr {peer} tcp dport 9478 accept' in ruleset
+    assert "ip daddr 10.0.0.12 tcp dport" not in ruleset
+
+
+def test_a_peer_on_its_own_exporter_port_is_read_there(fleet_file: Path, tmp_path: Path) -> None:
+    fleet_file.write_text(fleet_file.read_text() + "[hosts.overrides.prometheus]\nport = 9500\n")
+    out = tmp_path / "out"
+    assert main(["fleet", "render", str(fleet_file), "--out", str(out)]) == 0
+    spec = json.loads((out / "hosts/demo-1/etc/llm-appliance/rendered/appliance.json").read_text())["spec"]
+    assert spec["fleet"]["peers"]["demo-3"] == "http://10.0.0.13:9500/ready"
+
+
+def test_the_fleet_table_is_the_fleets_to_write(tmp_path: Path) -> None:
+    path = write_fleet(
+        tmp_path,
+        lambda text: text.replace("threads = 4", "min_ready = 1", 1).replace(
+            "[hosts.overrides.server]", "[hosts.overrides.fleet]"
+        ),
+    )
+    assert any("hosts[2].overrides.fleet.min_ready" in p and "the fleet's to set" in p for p in problems_of(path))
+
+
 @pytest.mark.fleet
 def test_haproxy_accepts_the_rendered_config(rendered: Path) -> None:
     cfg = rendered / "balancer/etc/haproxy/haproxy.cfg"
@@ -182,3 +220,17 @@ def test_a_host_spec_problem_is_located_where_the_fleet_wrote_it(
     assert f"{fleet_file}:{line}: error: fleet.overrides.server.api_key_file: " in err, err
     assert "as the fleet derives it: server.api_key_file" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("fleet", "words"),
+    [
+        ({"host": "a", "peers": {"b": "http://10.0.0.2:9478/ready"}, "min_ready": 2}, "could never restart"),
+        ({"host": "a", "peers": {"a": "http://10.0.0.1:9478/ready"}}, "is this host"),
+        ({"host": "a", "peers": {"b": "http://10.0.0.2:9478/metrics"}}, "not a peer's /ready URL"),
+        ({"host": "a", "peers": {"B": "http://10.0.0.2:9478/ready"}}, "not a host name"),
+    ],
+)
+def test_a_bad_fleet_table_in_a_spec_is_refused(fleet: dict[str, object], words: str) -> None:
+    with pytest.raises(ValidationError, match=re.escape(words)):
+        Spec.model_validate({"models": {"target": {"path": "/models/t.gguf"}}, "fleet": fleet})

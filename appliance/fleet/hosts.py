@@ -21,9 +21,9 @@ from tomlkit.items import Table
 
 from appliance import __version__
 from appliance.fleet.load import LoadedFleet
-from appliance.fleet.model import Host, Rules
+from appliance.fleet.model import Balancer, Host, Rules
 from appliance.spec.load import KeyLines, LoadedSpec, locate, parse_spec, parse_toml, read_text
-from appliance.spec.model import Network
+from appliance.spec.model import Network, Prometheus
 from appliance.spec.problems import Problem, SpecInvalid
 
 
@@ -54,6 +54,8 @@ def where_written(problem: Problem, fleet: LoadedFleet, host: Host, source: Path
         "server.host": f"hosts.{index}.address",
         "prometheus.host": f"hosts.{index}.address",
         "restart.schedule": "rules.restart_first",
+        "fleet.min_ready": "rules.min_ready",
+        "fleet.drain_seconds": "balancer.check_interval_seconds",
     }
     if problem.field in owned:
         return _in_fleet(problem, fleet, host, owned[problem.field])
@@ -78,12 +80,7 @@ def schedule(rules: Rules, index: int) -> str:
 def derive(fleet: LoadedFleet, host: Host) -> HostSpec:
     """The host's spec text and its parse; SpecInvalid (located in the fleet or the host's spec) if it fails."""
     source = fleet.spec_of(host)
-    original = read_text(source, str(source))
-    parse_toml(original, source)  # a syntax error, located, before tomlkit's own words for it
-    document = tomlkit.parse(original)
-    for overrides in (fleet.fleet.fleet.overrides, host.overrides):
-        for table, values in overrides.items():
-            _merge(_table(document, table), values)
+    document = _merged(fleet, host)
     f = fleet.fleet
     _table(document, "server")["host"] = host.address
     _table(document, "prometheus")["host"] = host.address
@@ -93,9 +90,12 @@ def derive(fleet: LoadedFleet, host: Host) -> HostSpec:
         labels = _table(document, "prometheus")["labels"] = tomlkit.inline_table()
     labels.update({"appliance": f.fleet.name, "host": host.name})
     allow = document.get("network", {}).get("allow", Network().allow)
-    extra = [_network(a) for a in (f.balancer.address, f.prometheus.address) if a is not None]
+    # The peers read this host's /ready before they restart (the min_ready guard): they are clients too.
+    peers = [h.address for h in f.hosts if h != host]
+    extra = [_network(a) for a in (f.balancer.address, f.prometheus.address, *peers) if a is not None]
     _table(document, "network")["allow"] = list(dict.fromkeys([*(str(a) for a in allow), *extra]))
     _table(document, "restart")["schedule"] = schedule(f.rules, fleet.index(host))
+    document["fleet"] = _member(fleet, host)
     header = (
         f"# host {host.name} of fleet {f.fleet.name}: generated from {fleet.path.name} and {source.name} by "
         f"llm-appliance {__version__};\n# edit those and run `llm-appliance fleet render`, not this file.\n"
@@ -106,6 +106,48 @@ def derive(fleet: LoadedFleet, host: Host) -> HostSpec:
     except SpecInvalid as exc:
         raise SpecInvalid([where_written(p, fleet, host, source) for p in exc.problems]) from None
     return HostSpec(host, source, text, loaded, fleet)
+
+
+def drain_seconds(balancer: Balancer) -> int:
+    """How long a host stays not-ready before it restarts: HAProxy marks it down after `fall` failed checks
+    `inter` apart; one more interval covers a check already under way and HAProxy's spread of checks."""
+    return balancer.check_interval_seconds * (balancer.fall + 1)
+
+
+def _member(fleet: LoadedFleet, host: Host) -> Table:
+    """The host's [fleet] table: its peers' /ready (their exporters, after their overrides), min_ready, the drain."""
+    table = tomlkit.table()
+    table.comment("written by `llm-appliance fleet render`: the restart path's drain and min_ready guard")
+    table["host"] = host.name
+    peers = tomlkit.inline_table()
+    for peer in fleet.fleet.hosts:
+        if peer != host:
+            peers[peer.name] = ready_url(peer, _merged(fleet, peer))
+    table["peers"] = peers
+    table["min_ready"] = fleet.fleet.rules.min_ready
+    table["drain_seconds"] = drain_seconds(fleet.fleet.balancer)
+    return table
+
+
+def ready_url(host: Host, document: Any) -> str:
+    """The host's /ready: its exporter, on the host's address (the fleet sets prometheus.host to it)."""
+    port = document.get("prometheus", {}).get("port", Prometheus().port)
+    # A port of the wrong type is reported when that host's own spec is checked; here any number will do.
+    port = port if isinstance(port, int) and not isinstance(port, bool) else Prometheus().port
+    address = f"[{host.address}]" if ":" in host.address else host.address
+    return f"http://{address}:{port}/ready"
+
+
+def _merged(fleet: LoadedFleet, host: Host) -> Any:
+    """The host's spec file as a tomlkit document (comments kept), with the fleet's and the host's overrides."""
+    source = fleet.spec_of(host)
+    original = read_text(source, str(source))
+    parse_toml(original, source)  # a syntax error, located, before tomlkit's own words for it
+    document = tomlkit.parse(original)
+    for overrides in (fleet.fleet.fleet.overrides, host.overrides):
+        for table, values in overrides.items():
+            _merge(_table(document, table), values)
+    return document
 
 
 def _table(document: Any, name: str) -> Table:

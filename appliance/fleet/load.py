@@ -19,6 +19,7 @@ MINUTES_PER_DAY = 24 * 60
 FLEET_OWNED = {
     "server.host": "the fleet sets it to the host's address",
     "prometheus.host": "the fleet sets it to the host's address (the balancer checks /ready there)",
+    "fleet": "the fleet writes each host's [fleet] table (peers, min_ready, the drain) from the fleet file",
     "restart.schedule": "the fleet spreads the schedules: set rules.restart_first and rules.restart_spacing_minutes",
 }
 
@@ -110,7 +111,7 @@ def _owned_problems(where: str, overrides: dict[str, dict[str, object]]) -> list
         error(f"{where}.{table}.{key}", "is the fleet's to set", f"remove it: {why}")
         for table, values in overrides.items()
         for key in values
-        if (why := FLEET_OWNED.get(f"{table}.{key}")) is not None
+        if (why := FLEET_OWNED.get(f"{table}.{key}", FLEET_OWNED.get(table))) is not None
     ]
 
 

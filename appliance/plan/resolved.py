@@ -126,7 +126,7 @@ class Appliance:
         return {
             "snapshot_version": SNAPSHOT_VERSION,
             "spec_file": str(self.spec_file),
-            "spec": self.spec.model_dump(mode="json"),
+            "spec": _spec_document(self.spec),
             "resolved": {
                 "binary": self.binary,
                 "argv": list(self.argv),
@@ -265,3 +265,11 @@ def _change(old: Any, new: Any) -> str:
         added = list((Counter(new) - Counter(old)).elements())
         return f"without {json.dumps(gone)}, with {json.dumps(added)}"
     return f"{json.dumps(old)} -> {json.dumps(new)}"
+
+
+def _spec_document(spec: Spec) -> dict[str, Any]:
+    # A single appliance has no [fleet]: left out, its snapshot reads as before the fleet existed.
+    document = spec.model_dump(mode="json")
+    if document.get("fleet") is None:
+        document.pop("fleet", None)
+    return document

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
+import urllib.parse
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -18,6 +19,7 @@ import jinja2
 from appliance import __version__
 from appliance.plan.budget import MIB
 from appliance.plan.resolved import SNAPSHOT, Appliance, Endpoint
+from appliance.spec.model import Spec
 from appliance.system import paths
 
 
@@ -50,6 +52,7 @@ class View:
     allow_v6: str
     server_allow: tuple[str, ...]  # IPAddressAllow= of the server unit, besides localhost
     health_allow: tuple[str, ...]  # ...of the health unit
+    peer_egress: tuple[str, ...]  # nft matches for each fleet peer's exporter, e.g. "ip daddr 10.0.0.12 tcp dport 9478"
     egress_deny: bool  # also: the server unit filters IP addresses (systemd's filter holds both directions)
     schedule: str
     randomized_delay_seconds: int
@@ -71,6 +74,18 @@ class View:
     draft_configured: bool
     max_per_hour: int
     alert_for: dict[str, str]  # alert (AlertForSeconds field) -> its `for:` as a Prometheus duration
+
+
+def _peer_egress(spec: Spec) -> tuple[str, ...]:
+    """The fleet peers' /ready, which the health daemon reads before it restarts (the min_ready guard)."""
+    if spec.fleet is None:
+        return ()
+    found = []
+    for url in spec.fleet.peers.values():
+        parsed = urllib.parse.urlsplit(url)
+        family = "ip6" if ":" in (parsed.hostname or "") else "ip"
+        found.append(f"{family} daddr {parsed.hostname} tcp dport {parsed.port or 80}")
+    return tuple(found)
 
 
 def view(appliance: Appliance) -> View:
@@ -108,6 +123,7 @@ def view(appliance: Appliance) -> View:
         allow_v6=", ".join(allow_v6),
         server_allow=appliance.server_ip_allow,
         health_allow=appliance.health_ip_allow,
+        peer_egress=_peer_egress(spec),
         egress_deny=spec.network.egress == "deny",
         schedule=spec.restart.schedule,
         randomized_delay_seconds=spec.restart.randomized_delay_seconds,

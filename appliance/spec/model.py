@@ -13,7 +13,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from appliance.system import paths
 
@@ -346,6 +346,51 @@ class Tuning(Strict):
         return value
 
 
+HOST_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+def _ready_url(value: str) -> str:
+    parsed = urllib.parse.urlsplit(value)
+    if parsed.scheme != "http" or not parsed.hostname or parsed.path != "/ready":
+        raise ValueError(f"{value!r} is not a peer's /ready URL; write e.g. http://192.168.1.12:9478/ready")
+    return value
+
+
+ReadyUrl = Annotated[str, AfterValidator(_one_line), AfterValidator(_ready_url)]
+
+
+class FleetMember(Strict):
+    """This host's place in a fleet behind a balancer; written by `llm-appliance fleet render` (fleet/hosts.py),
+    not by hand. Absent on a single appliance: then no balancer waits on /ready and a restart drains nothing."""
+
+    host: Annotated[str, Field(pattern=HOST_NAME.pattern)]
+    # The other hosts' /ready, by host name: a restart waits while fewer than min_ready of them answer 200.
+    peers: dict[str, ReadyUrl] = {}
+    min_ready: Annotated[int, Field(ge=0, le=1000)] = 1
+    # How long a draining host stays up not-ready before it may restart: the balancer's check interval x fall
+    # (and a margin), the time HAProxy takes to stop sending it new requests.
+    drain_seconds: Annotated[int, Field(ge=0, le=3600)] = 0
+
+    @field_validator("peers")
+    @classmethod
+    def _peer_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not HOST_NAME.match(name):
+                raise ValueError(f"{name!r} is not a host name of the fleet; use lower-case letters, digits and -")
+        return value
+
+    @model_validator(mode="after")
+    def _reachable(self) -> FleetMember:
+        if self.min_ready > len(self.peers):
+            raise ValueError(
+                f"min_ready = {self.min_ready} with {len(self.peers)} peers: this host could never restart; "
+                "render the fleet again (`llm-appliance fleet render`)"
+            )
+        if self.host in self.peers:
+            raise ValueError(f"{self.host!r} is this host, not a peer; render the fleet again")
+        return self
+
+
 class Spec(Strict):
     server: Server = Server()
     models: Models
@@ -357,3 +402,4 @@ class Spec(Strict):
     versions: Versions = Versions()
     prometheus: Prometheus = Prometheus()
     tuning: Tuning = Tuning()
+    fleet: FleetMember | None = None
