@@ -17,7 +17,7 @@ from conftest import appliance_of
 from prometheus_client import CollectorRegistry
 
 from appliance.facts.gpu import MISMATCH_FIX, GpuMemory, GpuProcess, NvmlUnavailable
-from appliance.health.daemon import CANARY_PROMPT, DaemonConfig, HealthDaemon, Observation
+from appliance.health.daemon import CANARY_PROMPT, WARMUP_PROMPT, DaemonConfig, HealthDaemon, Observation
 from appliance.health.exporter import Metrics
 from appliance.health.state import RestartLog
 from appliance.health.units import UnitError
@@ -749,14 +749,19 @@ def test_xid_errors_are_counted_once_each(rig: Rig) -> None:
     assert rig.value("llm_appliance_gpu_xid_errors_total", device="CUDA0") == 5
 
 
+def canaries(rig: Rig) -> list[tuple[str, int, dict[str, Any]]]:
+    """The canary completions, not the warm-up one after each (re)start."""
+    return [c for c in rig.api.completions if c[0] != WARMUP_PROMPT]
+
+
 def test_an_idle_server_is_measured_by_a_canary(tmp_path: Path) -> None:
     rig = Rig(tmp_path, make_spec(tmp_path, {"canary_after_idle_seconds": 300}))
     for _ in range(9):
         rig.check(None)
-    assert rig.api.completions == []
+    assert canaries(rig) == []
     rig.check(None)  # 300 s idle
-    assert [(p, n) for p, n, _ in rig.api.completions] == [(CANARY_PROMPT, 32)]
-    assert rig.api.completions[0][2]["temperature"] == 0
+    assert [(p, n) for p, n, _ in canaries(rig)] == [(CANARY_PROMPT, 32)]
+    assert canaries(rig)[0][2]["temperature"] == 0
     assert rig.daemon.decay._learning["canary"] == [140.0]
     # The canary's own tokens are not traffic, and a busy server gets no canary.
     rig.check(None)
@@ -764,7 +769,7 @@ def test_an_idle_server_is_measured_by_a_canary(tmp_path: Path) -> None:
     rig.api.processing = 1
     for _ in range(30):
         rig.check(None)
-    assert len(rig.api.completions) == 1
+    assert len(canaries(rig)) == 1
 
 
 # -- readiness for balancers (/ready) --

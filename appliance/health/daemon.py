@@ -26,6 +26,7 @@ from appliance.health.detectors import (
     speculation,
     window,
 )
+from appliance.health.drain import Drain
 from appliance.health.exporter import Metrics, Readiness
 from appliance.health.state import RestartLog
 from appliance.health.units import ServerControl, UnitError, descendants
@@ -38,6 +39,12 @@ from appliance.system import paths
 log = logging.getLogger("llm-appliance.health")
 CANARY_PROMPT = "def fibonacci(n):\n    "
 CANARY_TOKENS = 32
+# One short completion after every (re)start before /ready says 200: the first request after a load pays
+# for CUDA graphs and caches, and should not be a client's.
+WARMUP_PROMPT = "Hello"
+WARMUP_TOKENS = 4
+# While draining, checks come this often (at most): the drain ends, and idle is seen, within this much.
+DRAIN_POLL_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,10 @@ class HealthDaemon:
         # What /ready says to a balancer; the exporter serves the same object.
         self.readiness = readiness or Readiness(self.metrics)
         self.draining = False
+        fleet = config.spec.fleet
+        self.drain = Drain(fleet.drain_seconds if fleet else 0, restart.idle_timeout_seconds)
+        # One warm-up completion after every (re)start of the server before /ready says 200.
+        self.warm = False
         timeout = min(health.probe_timeout_seconds, 0.8 * health.interval_seconds)
         appliance = config.appliance
         self.api = api or ServerApi(appliance.server.url, read_api_key(appliance.api_key_file), timeout=timeout)
@@ -169,7 +180,17 @@ class HealthDaemon:
             self.hung_checks = self.hung_checks + 1 if "timed out" in str(exc) and self._unit_active() else 0
         self.metrics.server_up.set(1 if seen.up else 0)
         # llama-server answers /health with 503 while it loads the model (and before), and not at all when down.
-        self.readiness.set("draining" if self.draining else None if seen.up else "loading" if status == 503 else "down")
+        if seen.up and not self.warm and not self.draining:
+            self._warm_up()
+        self.readiness.set(
+            "draining"
+            if self.draining
+            else ("warming" if not self.warm else None)
+            if seen.up
+            else "loading"
+            if status == 503
+            else "down"
+        )
         if not seen.up:
             return
         try:
@@ -210,6 +231,20 @@ class HealthDaemon:
         canary_after = self.config.spec.health.canary_after_idle_seconds
         if canary_after and idle_for >= canary_after and not seen.busy:
             self._canary(seen)
+
+    def _warm_up(self) -> None:
+        try:
+            self.api.completion(
+                WARMUP_PROMPT, WARMUP_TOKENS, timeout=self.api.timeout, temperature=0, cache_prompt=False
+            )
+        except ServerUnreachable as exc:
+            log.warning("warm-up completion failed (not ready yet): %s", exc)
+            self.metrics.probe_errors.labels("canary").inc()
+            return
+        self.warm = True
+        # Its tokens are not traffic: the next window starts after them.
+        self.previous = None
+        log.info("warm-up completion done: ready")
 
     def _context_tokens(self) -> int | None:
         """The longest context of the slots' latest tasks; the last known one when /slots fails."""
@@ -356,10 +391,14 @@ class HealthDaemon:
         if self.hung_checks >= self.config.spec.health.consecutive:
             seen.reason = seen.reason or "hang"
         now = self.clock()
-        decision = self.policy.decide(now, seen.reason, seen.busy)
+        # Busy or not, a restart drains first (below): waiting for idle while still taking new requests would
+        # wait for ever behind a balancer. The policy keeps the budget and the cooldown.
+        decision = self.policy.decide(now, seen.reason, busy=False)
         seen.action = decision.action
         self.metrics.restart_budget_exhausted.set(1 if self.policy.exhausted else 0)
-        self.metrics.restart_pending.set(1 if decision.action in ("wait", "cooldown") else 0)
+        if decision.action != "restart" and self.drain.active:
+            log.info("restart no longer wanted (%s): serving again", decision.action)
+            self._stop_draining(seen)
         if decision.action == "exhausted":
             log.error(
                 "restart wanted (%s) but not done: %s; the server needs a human", decision.reason, decision.detail
@@ -367,7 +406,36 @@ class HealthDaemon:
         elif decision.action in ("wait", "cooldown"):
             log.info("restart wanted (%s): %s", decision.reason, decision.detail)
         elif decision.action == "restart":
-            self.restart(decision.reason, decision.detail, now)
+            self._drain_then_restart(decision.reason, decision.detail, now, seen)
+        self.metrics.restart_pending.set(1 if seen.action in ("drain", "wait", "cooldown") else 0)
+
+    def _drain_then_restart(self, reason: str, detail: str, now: float, seen: Observation) -> None:
+        if not self.drain.active:
+            log.warning(
+                "restart wanted (%s): draining first (%d s, then requests in flight)", reason, self.drain.drain_seconds
+            )
+        self.draining = True
+        self.readiness.set("draining")
+        step = self.drain.step(now, seen.busy)
+        if step != "restart":
+            seen.action = step
+            return
+        waited = now - (self.drain.started or now)
+        self.drain.cancel()
+        self.draining = False
+        self.restart(
+            reason, detail if not seen.busy else f"still busy {waited:.0f} s into the drain (idle_timeout)", now
+        )
+
+    def _stop_draining(self, seen: Observation) -> None:
+        self.drain.cancel()
+        self.draining = False
+        self.readiness.set(None if seen.up and self.warm else "loading")
+
+    def next_check_in(self) -> float:
+        """Seconds until the next check: the interval, or sooner while draining."""
+        interval = float(self.config.spec.health.interval_seconds)
+        return min(interval, DRAIN_POLL_SECONDS) if self.draining else interval
 
     def restart(self, reason: str, detail: str, now: float) -> None:
         log.warning("restarting llama-server: %s (%s)", reason, detail)
@@ -380,6 +448,7 @@ class HealthDaemon:
         self.decay.after_restart()
         self.creep.after_restart()
         self.previous, self.warmed_up, self.hung_checks, self.low_headroom_checks = None, False, 0, 0
+        self.warm = False
         self.last_tokens_at = now
         # Not ready until a check sees the restarted server answer /health again.
         self.readiness.set("restarting")
@@ -392,11 +461,10 @@ class HealthDaemon:
 
     def run(self, stop: threading.Event, notifier: Notifier | None = None) -> int:
         notifier = notifier or Notifier()
-        interval = self.config.spec.health.interval_seconds
         seen = self.check()
         notifier.ready(seen.status())
         log.info("first check: %s", seen.status())
-        while not stop.wait(interval):
+        while not stop.wait(self.next_check_in()):
             seen = self.check()
             notifier.watchdog()
             notifier.status(seen.status())

@@ -81,7 +81,8 @@ class Metrics:
 
 
 # Why /ready answers 503; "loading" until the first check has seen the server (a fresh daemon knows nothing).
-NOT_READY = ("loading", "down", "draining", "restarting")
+# "warming": up, its warm-up completion not done yet.
+NOT_READY = ("loading", "warming", "down", "draining", "restarting")
 
 
 class Readiness:
