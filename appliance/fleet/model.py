@@ -62,6 +62,8 @@ class Rules(Strict):
     # so no two share a time (and a restart's drain, load and warm-up fit in between).
     restart_first: Line = "04:00"
     restart_spacing_minutes: Annotated[int, Field(ge=5, le=720)] = 30
+    # LlmApplianceFleetBelowMinReady fires after this long short of min_ready: longer than one restart takes.
+    below_min_ready_alert_seconds: Annotated[int, Field(ge=0, le=86400)] = 300
 
     @field_validator("restart_first")
     @classmethod

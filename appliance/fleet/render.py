@@ -27,8 +27,6 @@ HAPROXY_CFG = "balancer/etc/haproxy/haproxy.cfg"
 PROMETHEUS = "prometheus"
 HOST_RULES = "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml"
 JOBS = {"health": "llm-appliance-health", "server": "llm-appliance-llama-server", "balancer": "llm-appliance-haproxy"}
-# When the fleet is short of ready hosts long enough to matter: longer than one host's restart takes.
-BELOW_MIN_READY_FOR = 300
 
 
 @dataclass(frozen=True)
@@ -188,7 +186,7 @@ def _prometheus(fleet: LoadedFleet, members: list[FleetHost], header: str) -> di
         "appliance": name,
         "hosts": len(members),
         "min_ready": f.rules.min_ready,
-        "below_min_ready_for": duration(BELOW_MIN_READY_FOR),
+        "below_min_ready_for": duration(f.rules.below_min_ready_alert_seconds),
         # Draining lasts the balancer's drain and the longest wait for idle; past both (and a margin), it is stuck.
         "draining_for": duration(drain + idle + 300),
         "balancer": _address(f.balancer.address, f.balancer.stats_port),
