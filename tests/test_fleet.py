@@ -121,8 +121,14 @@ def test_each_host_spec_names_its_peers_min_ready_and_the_drain(rendered: Path) 
     for index, name in enumerate(["demo-1", "demo-2", "demo-3"]):
         spec = json.loads((rendered / "hosts" / name / "etc/llm-appliance/rendered/appliance.json").read_text())["spec"]
         others = {f"demo-{i + 1}": f"http://10.0.0.{11 + i}:9478/ready" for i in range(3) if i != index}
-        # 2 s x (fall 2 + 1): HAProxy's fall checks and one more for a check already under way.
-        assert spec["fleet"] == {"host": name, "peers": others, "min_ready": 2, "drain_seconds": 6}
+        # 2 s x (fall 2 + 1): HAProxy's fall checks and one more for a check already under way; rise the same.
+        assert spec["fleet"] == {
+            "host": name,
+            "peers": others,
+            "min_ready": 2,
+            "drain_seconds": 6,
+            "settle_seconds": 6,
+        }
         # Peers read this host's /ready: each is a client of its exporter.
         assert {f"10.0.0.{11 + i}/32" for i in range(3) if i != index} <= set(spec["network"]["allow"])
         assert f"10.0.0.{11 + index}/32" not in spec["network"]["allow"]
@@ -234,3 +240,77 @@ def test_a_host_spec_problem_is_located_where_the_fleet_wrote_it(
 def test_a_bad_fleet_table_in_a_spec_is_refused(fleet: dict[str, object], words: str) -> None:
     with pytest.raises(ValidationError, match=re.escape(words)):
         Spec.model_validate({"models": {"target": {"path": "/models/t.gguf"}}, "fleet": fleet})
+
+
+def _rules_of(text: str) -> dict[str, dict[str, dict[str, str]]]:
+    """Each alert's labels and annotations from the rendered file (its quoted values are JSON strings)."""
+    found = {}
+    for block in text.split("- alert: ")[1:]:
+        values = {k: json.loads(v) if v.startswith('"') else v for k, v in re.findall(r"^ +(\w+): (.+)$", block, re.M)}
+        found[block.split()[0]] = {
+            "labels": {k: values[k] for k in ("severity", "appliance")},
+            "annotations": {k: values[k] for k in ("summary", "description")},
+        }
+    return found
+
+
+def _fleet_alerts(rules: Path, tmp_path: Path, series: dict[str, str], at: str, firing: list[str]) -> None:
+    """promtool's own rule unit test: these series, evaluated at `at`, fire exactly the alerts named."""
+    rendered = _rules_of(rules.read_text())
+    case = {
+        "rule_files": [str(rules)],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": [{"series": name, "values": values} for name, values in series.items()],
+                "alert_rule_test": [
+                    {
+                        "eval_time": at,
+                        "alertname": alert,
+                        "exp_alerts": [
+                            {"exp_labels": rendered[alert]["labels"], "exp_annotations": rendered[alert]["annotations"]}
+                        ]
+                        if alert in firing
+                        else [],
+                    }
+                    for alert in ("LlmApplianceFleetBelowMinReady", "LlmApplianceFleetWideDecay")
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "case.yml"
+    path.write_text(json.dumps(case))  # YAML is a superset of JSON
+    result = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _ready(host: str) -> str:
+    return f'llm_appliance_ready{{appliance="demo", host="{host}"}}'
+
+
+@pytest.mark.parametrize(
+    ("series", "firing"),
+    [
+        ({_ready("demo-1"): "1x60", _ready("demo-2"): "1x60", _ready("demo-3"): "0x60"}, []),
+        # Two hosts down: one not ready, one gone (its exporter with it, so its series ends).
+        (
+            {_ready("demo-1"): "1x60", _ready("demo-2"): "0x60", _ready("demo-3"): "1 1"},
+            ["LlmApplianceFleetBelowMinReady"],
+        ),
+        ({}, ["LlmApplianceFleetBelowMinReady"]),  # no host answers at all
+        (
+            {
+                **{_ready(f"demo-{i}"): "1x60" for i in (1, 2, 3)},
+                'llm_appliance_fleet_decay{appliance="demo", host="demo-1"}': "0 0 1x60",
+            },
+            ["LlmApplianceFleetWideDecay"],
+        ),
+    ],
+)
+@pytest.mark.skipif(not Path(PROMTOOL).exists(), reason="promtool is not installed")
+def test_the_fleet_alerts_fire_when_they_should(
+    rendered: Path, tmp_path: Path, series: dict[str, str], firing: list[str]
+) -> None:
+    # A gone host's series goes stale 5 minutes after its last sample; the alert then waits the example's 300 s.
+    _fleet_alerts(rendered / "prometheus/rules/fleet.rules.yml", tmp_path, series, "12m", firing)

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -259,3 +260,31 @@ def test_a_draft_that_never_drafts_is_reported(example: Callable[..., Path], eng
     finally:
         server.terminate()
         server.wait(20)
+
+
+def test_restart_under_up_goes_through_the_running_daemon(
+    example: Callable[..., Path], appliance_up: UpProcess, tmp_path: Path
+) -> None:
+    """`llm-appliance restart` without systemd: the request reaches the daemon of `up` through its state
+    directory, and the launcher restarts llama-server (no systemctl anywhere)."""
+    spec_path = fast_demo(example, free_port(), free_port())
+    process, output = appliance_up(spec_path)
+    wait_ready(process, output, 1)
+    command = [sys.executable, "-m", "appliance.cli.main", "restart", "--when-idle", "--state-dir", tmp_path / "state"]
+    asked = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert asked.returncode == 0, asked.stderr
+    assert "the health daemon took the manual restart" in asked.stderr
+    wait_ready(process, output, 2)
+    assert "restarting llama-server: manual" in lines_with(output, "restarting llama-server:")[0]
+    state = json.loads((tmp_path / "state" / "health-state.json").read_text())
+    assert state["totals"] == {"manual": 1}
+    assert not list((tmp_path / "state").glob("restart-*.json")), "the request is gone once carried out"
+
+
+def test_restart_without_a_daemon_to_take_it_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from appliance.health import service
+
+    monkeypatch.setattr(service, "ADOPT_TIMEOUT_SECONDS", 0.5)
+    (tmp_path / "state").mkdir()
+    assert service.request_restart(tmp_path / "state", "manual", None) == 3
+    assert not list((tmp_path / "state").iterdir()), "the unanswered request is withdrawn"

@@ -259,14 +259,16 @@ def cmd_check_versions(args: argparse.Namespace) -> int:
 
 
 def cmd_restart(args: argparse.Namespace) -> int:
-    from appliance.health.privileges import become, service_user
-    from appliance.health.service import restart_when_idle
+    from appliance.health.privileges import become_owner
+    from appliance.health.service import request_restart
 
-    appliance = Appliance.read(args.snapshot)
+    # With --state-dir (a daemon of `up`), there is no applied snapshot to fall back on.
+    applied = None if args.state_dir else Appliance.read(args.snapshot)
+    state_dir = args.state_dir or applied.state_file.parent  # type: ignore[union-attr]
     if os.geteuid() == 0:
-        # As the timer runs it: the restart history is the service user's to write, and polkit lets it restart.
-        become(service_user("restart"), appliance.state_file.parent)
-    return restart_when_idle(appliance, args.reason)
+        # As the timer runs it: the state directory is the service user's (or root's, under `up` as root).
+        become_owner(state_dir)
+    return request_restart(state_dir, args.reason, applied)
 
 
 def cmd_install(args: argparse.Namespace) -> int:

@@ -134,9 +134,15 @@ def _unit_commands(command: Command) -> None:
     p = command(
         "restart",
         cmd_restart,
-        f"restart the server unit through systemd, when idle (what the timer runs; as {paths.SERVICE_USER}, like it)",
+        "have the health daemon restart llama-server its way: its turn in the fleet, drained, when idle "
+        f"(what the timer runs; as {paths.SERVICE_USER}, like it; under systemd or `up`)",
     )
     _snapshot_option(p)
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        help="the running daemon's state directory (`up --state-dir`); default: the applied snapshot's",
+    )
     p.add_argument(
         "--when-idle",
         action="store_true",

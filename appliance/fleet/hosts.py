@@ -56,6 +56,7 @@ def where_written(problem: Problem, fleet: LoadedFleet, host: Host, source: Path
         "restart.schedule": "rules.restart_first",
         "fleet.min_ready": "rules.min_ready",
         "fleet.drain_seconds": "balancer.check_interval_seconds",
+        "fleet.settle_seconds": "balancer.check_interval_seconds",
     }
     if problem.field in owned:
         return _in_fleet(problem, fleet, host, owned[problem.field])
@@ -114,6 +115,12 @@ def drain_seconds(balancer: Balancer) -> int:
     return balancer.check_interval_seconds * (balancer.fall + 1)
 
 
+def settle_seconds(balancer: Balancer) -> int:
+    """How long a host back from its restart must be ready before the next host may go: HAProxy sends to it
+    again after `rise` good checks `inter` apart, and one more interval covers the spread of checks."""
+    return balancer.check_interval_seconds * (balancer.rise + 1)
+
+
 def _member(fleet: LoadedFleet, host: Host) -> Table:
     """The host's [fleet] table: its peers' /ready (their exporters, after their overrides), min_ready, the drain."""
     table = tomlkit.table()
@@ -126,6 +133,7 @@ def _member(fleet: LoadedFleet, host: Host) -> Table:
     table["peers"] = peers
     table["min_ready"] = fleet.fleet.rules.min_ready
     table["drain_seconds"] = drain_seconds(fleet.fleet.balancer)
+    table["settle_seconds"] = settle_seconds(fleet.fleet.balancer)
     return table
 
 

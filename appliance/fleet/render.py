@@ -193,6 +193,7 @@ def _prometheus(fleet: LoadedFleet, members: list[FleetHost], header: str) -> di
         "selectors": {
             "ready": f"llm_appliance_ready{{appliance={name}}}",
             "draining": f"llm_appliance_draining{{appliance={name}}}",
+            "fleet_decay": f"llm_appliance_fleet_decay{{appliance={name}}}",
             "balancer_scraped": f'up{{job="{JOBS["balancer"]}", appliance={name}}}',
         },
     }

@@ -26,8 +26,10 @@ from appliance.health.detectors import (
     speculation,
     window,
 )
-from appliance.health.drain import Drain
+from appliance.health.drain import Drain, restart_turn
 from appliance.health.exporter import Metrics, Readiness
+from appliance.health.peers import Peer, PeerReader, reader
+from appliance.health.requests import RestartRequest, RestartRequests
 from appliance.health.state import RestartLog
 from appliance.health.units import ServerControl, UnitError, descendants
 from appliance.plan.resolved import Appliance
@@ -45,6 +47,10 @@ WARMUP_PROMPT = "Hello"
 WARMUP_TOKENS = 4
 # While draining, checks come this often (at most): the drain ends, and idle is seen, within this much.
 DRAIN_POLL_SECONDS = 1.0
+# A peer's /ready answers at once or the peer does not count: the guard must not stall the drain's polls.
+PEER_TIMEOUT_SECONDS = 1.0
+# How often the loop looks for a restart request between checks (one stat of a file).
+REQUEST_POLL_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,7 @@ class HealthDaemon:
         api: ServerApi | None = None,
         clock: Callable[[], float] = time.time,
         readiness: Readiness | None = None,
+        peers: PeerReader | None = None,
     ) -> None:
         health, restart = config.spec.health, config.spec.restart
         self.config, self.control, self.nvml, self.clock = config, control, nvml, clock
@@ -109,6 +116,13 @@ class HealthDaemon:
         self.draining = False
         fleet = config.spec.fleet
         self.drain = Drain(fleet.drain_seconds if fleet else 0, restart.idle_timeout_seconds)
+        # A restart taking its turn in the fleet (claimed, or waiting for one): the daemon polls meanwhile.
+        self.in_turn = False
+        self.claimed = False
+        self.said = ""
+        self.read_peers = peers or reader(timeout=min(PEER_TIMEOUT_SECONDS, health.probe_timeout_seconds))
+        self.requests = RestartRequests(config.appliance.state_file.parent)
+        self.requested: RestartRequest | None = None
         # One warm-up completion after every (re)start of the server before /ready says 200.
         self.warm = False
         timeout = min(health.probe_timeout_seconds, 0.8 * health.interval_seconds)
@@ -390,24 +404,85 @@ class HealthDaemon:
             seen.reason = seen.reason or "decay"
         if self.hung_checks >= self.config.spec.health.consecutive:
             seen.reason = seen.reason or "hang"
+        if seen.reason != "decay":
+            self.metrics.fleet_decay.set(0)
         now = self.clock()
         # Busy or not, a restart drains first (below): waiting for idle while still taking new requests would
         # wait for ever behind a balancer. The policy keeps the budget and the cooldown.
         decision = self.policy.decide(now, seen.reason, busy=False)
         seen.action = decision.action
         self.metrics.restart_budget_exhausted.set(1 if self.policy.exhausted else 0)
-        if decision.action != "restart" and self.drain.active:
-            log.info("restart no longer wanted (%s): serving again", decision.action)
-            self._stop_draining(seen)
+        self.requested = self.requested or self.requests.adopt()
+        # What the peers read: the restart this host wants (whatever the policy says of it), and its claim.
+        asked = self.requested.reason if self.requested else None
+        self.readiness.restart_wanted(seen.reason or asked, self.claimed)
         if decision.action == "exhausted":
             log.error(
                 "restart wanted (%s) but not done: %s; the server needs a human", decision.reason, decision.detail
             )
         elif decision.action in ("wait", "cooldown"):
             log.info("restart wanted (%s): %s", decision.reason, decision.detail)
-        elif decision.action == "restart":
-            self._drain_then_restart(decision.reason, decision.detail, now, seen)
-        self.metrics.restart_pending.set(1 if seen.action in ("drain", "wait", "cooldown") else 0)
+        # Asked for (the timer, an admin), a restart is not the policy's to refuse; it still takes its turn.
+        if decision.action == "restart":
+            self._take_turn(decision.reason, decision.detail, now, seen)
+        elif self.requested is not None:
+            seen.reason = self.requested.reason
+            self._take_turn(self.requested.reason, "asked for", now, seen)
+        elif self.in_turn:
+            log.info("restart no longer wanted (%s): serving again", decision.action)
+            self._serve_again(seen)
+        self.metrics.restart_pending.set(1 if seen.action in ("claim", "drain", "wait", "cooldown") else 0)
+
+    def _take_turn(self, reason: str, detail: str, now: float, seen: Observation) -> None:
+        """The restart once it is this host's turn in the fleet (always, alone): claim, drain, restart."""
+        self.in_turn = True
+        fleet = self.config.spec.fleet
+        if fleet is None or not fleet.peers:
+            self._drain_then_restart(reason, detail, now, seen)
+            return
+        peers = self.read_peers(fleet.peers)
+        self.metrics.peers_ready.set(sum(1 for p in peers if p.ready))
+        if reason == "decay" and self._fleet_decays(peers, seen):
+            return
+        verdict = restart_turn(fleet.host, fleet.min_ready, fleet.settle_seconds, peers, self.claimed, self.draining)
+        if verdict.turn in ("wait", "yield"):
+            if verdict.turn == "yield":
+                log.warning("restart (%s): stopping the drain, serving again: %s", reason, verdict.detail)
+            self._serve_again(seen, still_wanted=True)
+            self._say(f"restart wanted ({reason}), not this host's turn yet: {verdict.detail}")
+            seen.action = "wait"
+        elif verdict.turn == "claim":
+            self.claimed = True
+            self.readiness.restart_wanted(reason, claim=True)
+            self._say(f"restart wanted ({reason}): claiming the turn ({verdict.detail})")
+            seen.action = "claim"
+        elif verdict.turn == "hold":
+            self._say(f"restart ({reason}) draining, not restarting yet: {verdict.detail}")
+            seen.action = "drain"
+        else:
+            self._drain_then_restart(reason, detail, now, seen)
+
+    def _fleet_decays(self, peers: list[Peer], seen: Observation) -> bool:
+        """Most of the fleet decaying at once is the fleet's cause (a driver, CUDA, a library), not this host's:
+        restarting every host would cure nothing. Hold, and let the alert call a human."""
+        decaying = 1 + sum(1 for p in peers if p.wants == "decay")
+        held = decaying > (len(peers) + 1) / 2
+        self.metrics.fleet_decay.set(1 if held else 0)
+        if held:
+            self._serve_again(seen)
+            self._say(
+                f"decay on {decaying} of {len(peers) + 1} hosts of the fleet at once: not restarting (a restart "
+                "cures one host's fragmentation, not a fleet-wide cause such as a driver or CUDA change)",
+                level=logging.ERROR,
+            )
+            seen.action = "held"
+        return held
+
+    def _say(self, message: str, level: int = logging.INFO) -> None:
+        """Log a turn's state once, not every poll of it."""
+        if message != self.said:
+            log.log(level, message)
+            self.said = message
 
     def _drain_then_restart(self, reason: str, detail: str, now: float, seen: Observation) -> None:
         if not self.drain.active:
@@ -421,25 +496,35 @@ class HealthDaemon:
             seen.action = step
             return
         waited = now - (self.drain.started or now)
-        self.drain.cancel()
-        self.draining = False
+        seen.action = "restart"
         self.restart(
             reason, detail if not seen.busy else f"still busy {waited:.0f} s into the drain (idle_timeout)", now
         )
 
-    def _stop_draining(self, seen: Observation) -> None:
+    def _serve_again(self, seen: Observation, still_wanted: bool = False) -> None:
         self.drain.cancel()
-        self.draining = False
-        self.readiness.set(None if seen.up and self.warm else "loading")
+        self.claimed = False
+        self.in_turn = still_wanted
+        if self.draining:
+            self.draining = False
+            self.readiness.set(None if seen.up and self.warm else "loading")
 
     def next_check_in(self) -> float:
-        """Seconds until the next check: the interval, or sooner while draining."""
+        """Seconds until the next check: the interval, or sooner while a restart takes its turn or drains."""
         interval = float(self.config.spec.health.interval_seconds)
-        return min(interval, DRAIN_POLL_SECONDS) if self.draining else interval
+        return min(interval, DRAIN_POLL_SECONDS) if self.in_turn or self.draining else interval
 
     def restart(self, reason: str, detail: str, now: float) -> None:
         log.warning("restarting llama-server: %s (%s)", reason, detail)
+        self.drain.cancel()
+        self.draining = self.claimed = self.in_turn = False
+        self.said = ""
+        self.readiness.restart_wanted(None, claim=False)
         self.restart_log.append(now, reason)
+        # Whatever its reason, this restart is the one a request asked for; gone before the restart may stop us.
+        if self.requested is not None:
+            self.requests.done()
+            self.requested = None
         self.policy.restarted(now)
         self.metrics.restarts.labels(reason).inc()
         self.metrics.last_restart.set(now)
@@ -464,7 +549,7 @@ class HealthDaemon:
         seen = self.check()
         notifier.ready(seen.status())
         log.info("first check: %s", seen.status())
-        while not stop.wait(self.next_check_in()):
+        while self._wait_for_next_check(stop):
             seen = self.check()
             notifier.watchdog()
             notifier.status(seen.status())
@@ -472,3 +557,14 @@ class HealthDaemon:
                 log.info("check: %s", seen.status())
         notifier.stopping("stopping")
         return 0
+
+    def _wait_for_next_check(self, stop: threading.Event) -> bool:
+        """Until the next check is due, or sooner when a restart is asked for; False once stopped."""
+        due = time.monotonic() + self.next_check_in()
+        while not self.requests.pending():
+            left = due - time.monotonic()
+            if left <= 0:
+                break
+            if stop.wait(min(left, REQUEST_POLL_SECONDS)):
+                return False
+        return not stop.is_set()

@@ -1,13 +1,20 @@
-"""The drain before a restart, as a state machine on an injected clock: not-ready first, then the balancer's
-time to notice (drain_seconds), then the requests in flight (idle_timeout at the latest), then the restart.
+"""The restart path's two pure parts: whose turn it is in the fleet (the min_ready guard), and the drain before a
+restart, as a state machine on an injected clock: not-ready first, then the balancer's time to notice
+(drain_seconds), then the requests in flight (idle_timeout at the latest), then the restart.
 
-Pure: the daemon steps it once per check with the time and whether llama-server is busy.
+The daemon steps both once per check, with its peers' /ready as last read, the time and whether llama-server is
+busy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from appliance.health.peers import Peer
+
+# A peer in one of these is in the middle of a restart: nobody else starts one.
+RESTARTING = ("draining", "restarting", "loading", "warming")
 
 # "drain": the balancer may still send new requests; "wait": requests in flight; "restart": nothing left to cut.
 Step = Literal["drain", "wait", "restart"]
@@ -40,3 +47,52 @@ class Drain:
 
     def cancel(self) -> None:
         self.started = None
+
+
+# "claim": announce the turn (still serving) and look again; "go": drain (or go on draining) towards the restart;
+# "hold": go on draining, but do not restart yet; "wait": not this host's turn yet (serving); "yield": stop a
+# drain already begun and serve again.
+Turn = Literal["claim", "go", "hold", "wait", "yield"]
+
+
+@dataclass(frozen=True)
+class TurnVerdict:
+    turn: Turn
+    detail: str
+
+
+def restart_turn(
+    me: str, min_ready: int, settle_seconds: float, peers: list[Peer], claimed: bool, draining: bool
+) -> TurnVerdict:
+    """Whether this host may take its restart now. One host restarts at a time, and only while at least min_ready
+    other hosts serve, each ready for settle_seconds (long enough for the balancer to send to it again).
+
+    Two hosts that want to restart at once both claim first (still serving); the one whose name sorts first goes,
+    the other waits. A drain that began anyway beside another (both read each other before either claimed) ends
+    for the host whose name sorts last.
+    """
+    serving = [p for p in peers if p.ready and p.ready_seconds >= settle_seconds]
+    short = f"{len(serving)} other host{'s' if len(serving) != 1 else ''} serving, min_ready {min_ready}"
+    if draining:
+        first = sorted(p.name for p in peers if p.reason == "draining" and p.name < me)
+        if first:
+            return TurnVerdict("yield", f"{first[0]} is draining too and goes first")
+        if len(serving) >= min_ready:
+            return TurnVerdict("go", short)
+        if any(p.reason == "draining" for p in peers):
+            return TurnVerdict("hold", f"{short}; the other draining host gives way")
+        return TurnVerdict("yield", short)
+    restarting = sorted(f"{p.name} ({p.reason})" for p in peers if not p.ready and p.reason in RESTARTING)
+    if restarting:
+        return TurnVerdict("wait", f"{', '.join(restarting)} restarting first")
+    settling = sorted(p.name for p in peers if p.ready and p.ready_seconds < settle_seconds)
+    if settling:
+        return TurnVerdict("wait", f"{', '.join(settling)} ready again only just (settling {settle_seconds:.0f} s)")
+    if len(serving) < min_ready:
+        return TurnVerdict("wait", short)
+    ahead = sorted(p.name for p in peers if p.claim and p.name < me)
+    if ahead:
+        return TurnVerdict("wait", f"{ahead[0]} claimed the turn first")
+    if not claimed:
+        return TurnVerdict("claim", short)
+    return TurnVerdict("go", short)

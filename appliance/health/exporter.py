@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -72,6 +73,13 @@ class Metrics:
         self.restart_pending = gauge("restart_pending", "1 while a wanted restart waits for idle or the cooldown")
         self.ready = gauge("ready", "1 when /ready answers 200: llama-server is up and not draining")
         self.draining = gauge("draining", "1 while the daemon keeps new requests away before a restart")
+        self.peers_ready = gauge(
+            "fleet_peers_ready", "The fleet's other hosts that answered /ready with 200, last read"
+        )
+        self.fleet_decay = gauge(
+            "fleet_decay",
+            "1 while most of the fleet decays at once: restarts for decay held (a driver or CUDA change?)",
+        )
         self.check_duration = gauge("check_duration_seconds", "Duration of the last health check")
         self.probe_errors = counter("probe_errors", "Probes that failed, by probe", ("probe",))
         for reason in RESTART_REASONS:
@@ -83,30 +91,55 @@ class Metrics:
 # Why /ready answers 503; "loading" until the first check has seen the server (a fresh daemon knows nothing).
 # "warming": up, its warm-up completion not done yet.
 NOT_READY = ("loading", "warming", "down", "draining", "restarting")
+# What /ready tells the fleet's other daemons beside its status (the min_ready guard reads them, health/peers.py):
+# how long this host has been ready, whether it has claimed the next restart turn, and which restart it wants.
+READY_SECONDS = "X-Llm-Appliance-Ready-Seconds"
+CLAIM = "X-Llm-Appliance-Restart-Claim"
+WANTS = "X-Llm-Appliance-Restart-Wanted"
 
 
 class Readiness:
-    """What /ready answers, for a balancer's health check: None (200) or why not (503). The daemon sets it
-    from its checks and its restart path; the exporter's threads read it."""
+    """What /ready answers, for a balancer's health check: None (200) or why not (503), and for the peers the
+    restart this host wants and whether it claimed its turn. The daemon sets it from its checks and its restart
+    path; the exporter's threads read it."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._metrics = metrics
+        self._clock = clock
         self._reason: str | None = "loading"
+        self._since = clock()
+        self._claim = False
+        self._wants: str | None = None
         self._changed = threading.Condition(self._lock)
         self._publish()
 
     def set(self, reason: str | None) -> None:
         assert reason is None or reason in NOT_READY, reason
         with self._lock:
+            if (reason is None) != (self._reason is None):
+                self._since = self._clock()
             self._reason = reason
             self._publish()
             self._changed.notify_all()
+
+    def restart_wanted(self, reason: str | None, claim: bool) -> None:
+        with self._lock:
+            self._wants, self._claim = reason, claim
 
     @property
     def reason(self) -> str | None:
         with self._lock:
             return self._reason
+
+    def headers(self) -> list[tuple[str, str]]:
+        with self._lock:
+            ready_for = self._clock() - self._since if self._reason is None else 0.0
+            return [
+                (READY_SECONDS, f"{ready_for:.1f}"),
+                (CLAIM, "1" if self._claim else "0"),
+                (WANTS, self._wants or ""),
+            ]
 
     def wait_for(self, predicate: Callable[[str | None], bool], timeout: float) -> bool:
         """Until `predicate(reason)` holds (True) or `timeout` seconds pass (False): tests wait on the change."""
@@ -146,7 +179,8 @@ def app(metrics: Metrics, readiness: Readiness) -> Callable[..., Iterable[bytes]
         reason = readiness.reason
         body = b"ready\n" if reason is None else f"not ready: {reason}\n".encode()
         status = "200 OK" if reason is None else "503 Service Unavailable"
-        start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+        headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
+        start_response(status, headers + readiness.headers())
         return [body]
 
     return route

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import sys
 from pathlib import Path
 
@@ -88,6 +89,23 @@ def become(who: Account, workdir: Path, bind_low_ports: bool = False) -> None:
         os.chdir(workdir)
     except OSError:
         os.chdir("/")  # root's working directory may be closed to it
+
+
+def become_owner(state_dir: Path) -> None:
+    """`restart` started by root: talk to the daemon as the owner of its state directory, the service user
+    (root stays root for the directory of an `up` run as root). Root looks at the directory, never into it."""
+    try:
+        status = os.lstat(state_dir)
+    except OSError as exc:
+        raise PrivilegeError(f"no health daemon keeps its state in {state_dir}: {exc.strerror}") from None
+    if not stat.S_ISDIR(status.st_mode):
+        raise PrivilegeError(f"{state_dir} is not a directory (a link?); name the daemon's own --state-dir")
+    if status.st_uid == 0:
+        return
+    who = service_user("restart")
+    if status.st_uid != who.uid:
+        raise PrivilegeError(f"{state_dir} belongs to uid {status.st_uid}, neither root nor {who.name}")
+    become(who, state_dir)
 
 
 def say_what_is_not_enforced(who: Account, ruleset: str) -> None:

@@ -9,12 +9,14 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 from appliance.facts.gpu import Pynvml
 from appliance.health import versions
 from appliance.health.daemon import DaemonConfig, HealthDaemon
 from appliance.health.exporter import Metrics, Readiness, serve
 from appliance.health.privileges import AS_CURRENT_USER, become, prepare, say_what_is_not_enforced, service_user
+from appliance.health.requests import Reason, RestartRequests
 from appliance.health.state import RestartLog
 from appliance.health.units import SystemdUnit, UnitError
 from appliance.plan.resolved import Appliance
@@ -60,8 +62,43 @@ def check_versions(appliance: Appliance) -> int:
     return 0
 
 
+# How long `restart` waits for a running daemon to take its request: the daemon looks every second, and a
+# check under way (a canary completion, a slow /slots) may hold it for its probe timeout.
+ADOPT_TIMEOUT_SECONDS = 60.0
+
+
+def request_restart(state_dir: Path, reason: Reason, applied: Appliance | None) -> int:
+    """What `restart` does: hand the restart to the running health daemon, which takes it its way (its turn in
+    the fleet, the drain, the warm-up), under systemd and under `up` alike. With no daemon to take it, a single
+    appliance still restarts when idle through systemd; a fleet member does not (its turn cannot be known)."""
+    requests = RestartRequests(state_dir)
+    wanted = requests.submit(reason)
+    deadline = time.monotonic() + ADOPT_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        if requests.taken(wanted):
+            log.info(
+                "the health daemon took the %s restart: it waits its turn in the fleet, drains, restarts llama-server "
+                "and warms it up (its log says when)",
+                reason,
+            )
+            return 0
+        time.sleep(0.2)
+    requests.withdraw(wanted)
+    if applied is None or applied.spec.fleet is not None:
+        log.error(
+            "no health daemon took the restart request in %.0f s (is it running? `systemctl status %s`, or the "
+            "`up` whose --state-dir is %s); not restarting behind its back",
+            ADOPT_TIMEOUT_SECONDS,
+            paths.HEALTH_UNIT,
+            state_dir,
+        )
+        return 3
+    log.warning("no health daemon took the restart request: restarting through systemd when idle")
+    return restart_when_idle(applied, reason)
+
+
 def restart_when_idle(appliance: Appliance, reason: str, control: SystemdUnit | None = None) -> int:
-    """What the timer runs: wait until no request is processing (idle_timeout at the latest), restart."""
+    """Without a daemon: wait until no request is processing (idle_timeout at the latest), restart."""
     spec = appliance.spec
     api = ServerApi(
         appliance.server.url, read_api_key(appliance.api_key_file), timeout=spec.health.probe_timeout_seconds
@@ -115,6 +152,8 @@ def up(appliance: Appliance, stop_timeout: float, as_current_user: bool = False)
         say_what_is_not_enforced(who, ruleset)
     elif os.geteuid() == 0:
         print(AS_CURRENT_USER, file=sys.stderr, flush=True)
+    # Where `restart` hands its requests to the daemon: there from the start, as StateDirectory= makes it.
+    appliance.state_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     spec = appliance.spec
     metrics = Metrics()
     readiness = Readiness(metrics)

@@ -370,6 +370,9 @@ class FleetMember(Strict):
     # How long a draining host stays up not-ready before it may restart: the balancer's check interval x fall
     # (and a margin), the time HAProxy takes to stop sending it new requests.
     drain_seconds: Annotated[int, Field(ge=0, le=3600)] = 0
+    # How long a peer back from its restart must have been ready before it counts as serving: the balancer's
+    # check interval x rise (and a margin), the time HAProxy takes to send it requests again.
+    settle_seconds: Annotated[int, Field(ge=0, le=3600)] = 0
 
     @field_validator("peers")
     @classmethod

@@ -1,0 +1,277 @@
+"""The fleet's restart turns: one host at a time, only while min_ready others serve, a fleet-wide decay held,
+and restarts asked for from outside (the timer, an admin) taking the same path.
+
+The peers are real exporters (health/exporter.py) on loopback whose readiness each test sets; the daemons are
+the real HealthDaemon with the fakes of tests/test_daemon_logic.py (the server, NVML, the clock).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from test_daemon_logic import RATE, FakeClock, Rig, learn_baseline, make_spec
+
+from appliance.health.drain import restart_turn
+from appliance.health.exporter import Metrics, Readiness, serve
+from appliance.health.peers import Peer, read_peer
+from appliance.health.requests import ADOPTED, REQUEST, RestartRequests
+
+DRAIN = 4
+SETTLE = 6
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Exporter:
+    """A peer's /ready, served for real; its readiness on a clock of its own (how long it has been ready)."""
+
+    def __init__(self, port: int | None = None, readiness: Readiness | None = None) -> None:
+        self.clock = FakeClock(0.0)
+        self.readiness = readiness or Readiness(Metrics(CollectorRegistry()), clock=self.clock)
+        self.server = serve(Metrics(CollectorRegistry()), "127.0.0.1", port or 0, self.readiness)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/ready"
+
+    def ready(self, for_seconds: float = 3600) -> Exporter:
+        self.readiness.set(None)
+        self.clock.advance(for_seconds)
+        return self
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def exporters() -> Iterator[list[Exporter]]:
+    made: list[Exporter] = []
+    yield made
+    for exporter in made:
+        exporter.close()
+
+
+def fleet_rig(
+    tmp_path: Path, me: str, peers: dict[str, str], min_ready: int, settle: int = SETTLE, **sections: Any
+) -> Rig:
+    fleet = {"host": me, "peers": peers, "min_ready": min_ready, "drain_seconds": DRAIN, "settle_seconds": settle}
+    return Rig(tmp_path, make_spec(tmp_path, fleet=fleet, restart={"cooldown_seconds": 0}, **sections))
+
+
+def want_decay(rig: Rig) -> str:
+    """Slow windows until a check wants the restart; that check's action."""
+    learn_baseline(rig)
+    for _ in range(7):
+        seen = rig.check(0.7 * RATE)
+        if seen.action != "none":
+            return seen.action
+    raise AssertionError("decay never wanted a restart")
+
+
+def poll(rig: Rig, seconds: float = 1.0) -> str:
+    rig.clock.advance(seconds)
+    return rig.daemon.check().action
+
+
+# -- whose turn: the pure rule --
+
+
+def peer(name: str, state: str = "ready", claim: bool = False, ready_seconds: float = 60, wants: str = "") -> Peer:
+    return Peer(name, state == "ready", None if state == "ready" else state, ready_seconds, claim, wants or None)
+
+
+@pytest.mark.parametrize(
+    ("peers", "claimed", "draining", "turn"),
+    [
+        ([peer("a"), peer("c")], False, False, "claim"),
+        ([peer("a"), peer("c")], True, False, "go"),
+        ([peer("a", claim=True), peer("c")], True, False, "wait"),  # a claimed too, and goes first
+        ([peer("a"), peer("c", claim=True)], True, False, "go"),  # c claimed too, and waits for b
+        ([peer("a", "draining"), peer("c")], False, False, "wait"),
+        ([peer("a", "warming"), peer("c")], False, False, "wait"),
+        ([peer("a", ready_seconds=2), peer("c")], False, False, "wait"),  # back, not yet in HAProxy's rotation
+        ([peer("a", "unreachable"), peer("c")], False, False, "wait"),  # one serving, min_ready 2
+        ([peer("a", "draining"), peer("c")], True, True, "yield"),  # both draining: a goes first
+        ([peer("a"), peer("c", "draining")], True, True, "hold"),  # c gives way; b holds until it has
+        ([peer("a", "unreachable"), peer("c")], True, True, "yield"),  # a died mid-drain: serve again
+        ([peer("a"), peer("c")], True, True, "go"),
+    ],
+)
+def test_whose_turn(peers: list[Peer], claimed: bool, draining: bool, turn: str) -> None:
+    assert restart_turn("b", 2, SETTLE, peers, claimed, draining).turn == turn
+
+
+def test_min_ready_zero_lets_a_lone_host_go() -> None:
+    assert restart_turn("b", 0, SETTLE, [peer("a", "unreachable")], True, False).turn == "go"
+
+
+# -- /ready as a peer reads it --
+
+
+def test_a_peer_is_read_through_its_real_ready_endpoint(exporters: list[Exporter]) -> None:
+    exporter = Exporter()
+    exporters.append(exporter)
+    assert read_peer("a", exporter.url, 5) == Peer("a", False, "loading", 0.0, False, None)
+    exporter.ready(for_seconds=42)
+    exporter.readiness.restart_wanted("decay", claim=True)
+    assert read_peer("a", exporter.url, 5) == Peer("a", True, None, 42.0, True, "decay")
+    exporter.readiness.set("draining")
+    assert read_peer("a", exporter.url, 5) == Peer("a", False, "draining", 0.0, True, "decay")
+    port = exporter.server.server_port
+    exporter.close()
+    exporters.remove(exporter)
+    gone = read_peer("a", f"http://127.0.0.1:{port}/ready", 5)
+    assert not gone.ready and gone.reason is not None and gone.reason.startswith("unreachable")
+
+
+# -- one daemon among real peers --
+
+
+def test_a_restart_claims_first_then_drains_then_restarts(tmp_path: Path, exporters: list[Exporter]) -> None:
+    exporters += [Exporter().ready(), Exporter().ready()]
+    rig = fleet_rig(tmp_path, "b", {"a": exporters[0].url, "c": exporters[1].url}, min_ready=2)
+    own = Exporter(readiness=rig.daemon.readiness)
+    exporters.append(own)
+    assert want_decay(rig) == "claim"
+    # Still serving while it claims; the claim is what its peers see.
+    assert read_peer("b", own.url, 5) == Peer("b", True, None, pytest.approx(0, abs=60), True, "decay")
+    assert poll(rig) == "drain"
+    assert read_peer("b", own.url, 5).reason == "draining"
+    assert poll(rig, DRAIN) == "restart"
+    assert rig.control.restarts == ["decay"]
+    assert rig.value("llm_appliance_fleet_peers_ready") == 2
+
+
+def test_a_restart_waits_while_another_host_restarts_and_settles(tmp_path: Path, exporters: list[Exporter]) -> None:
+    a, c = Exporter().ready(), Exporter().ready()
+    exporters += [a, c]
+    rig = fleet_rig(tmp_path, "b", {"a": a.url, "c": c.url}, min_ready=2)
+    a.readiness.set("restarting")
+    assert want_decay(rig) == "wait"
+    assert rig.daemon.readiness.reason is None, "a host waiting for its turn keeps serving"
+    assert rig.daemon.next_check_in() == 1.0
+    a.readiness.set(None)  # back, but HAProxy has not counted `rise` good checks yet
+    assert poll(rig) == "wait"
+    a.clock.advance(SETTLE)
+    assert poll(rig) == "claim"
+    assert poll(rig) == "drain"
+    assert rig.control.restarts == []
+
+
+def test_a_host_whose_name_sorts_first_goes_first(tmp_path: Path, exporters: list[Exporter]) -> None:
+    """Two daemons that want a restart at the same moment, each the other's peer: never both out at once."""
+    ports = {name: free_port() for name in "ab"}
+    c = Exporter().ready()
+    exporters.append(c)
+    urls = {name: f"http://127.0.0.1:{port}/ready" for name, port in ports.items()}
+    # settle 0: a host back from its restart counts at once (the daemons' readiness runs on the real clock).
+    rigs = {
+        name: fleet_rig(tmp_path / name, name, {**{n: u for n, u in urls.items() if n != name}, "c": c.url}, 2, 0)
+        for name in "ba"
+    }
+    for name, rig in rigs.items():
+        exporters.append(Exporter(ports[name], rig.daemon.readiness))
+        rig.check(None)  # up and warm: ready
+    # Asked at once (two decaying of three would be a fleet-wide decay, held).
+    for name in "ba":
+        RestartRequests(rigs[name].state_file.parent).submit("scheduled")
+    assert poll(rigs["b"]) == "claim"
+    assert poll(rigs["a"]) == "claim", "b's claim does not stop a: its name sorts first"
+    order: list[str] = []
+    for _ in range(40):
+        for name, rig in rigs.items():
+            if rig.control.restarts == [] and poll(rig) == "restart":
+                order.append(name)
+                rig.daemon.readiness.set(None)  # back at once, as a fast restart would be
+            out = [n for n, r in rigs.items() if r.daemon.readiness.reason is not None]
+            assert len(out) <= 1, f"{out} out of the rotation at once"
+        if len(order) == 2:
+            break
+    assert order == ["a", "b"]
+
+
+def test_a_restart_that_would_leave_too_few_serving_waits(tmp_path: Path, exporters: list[Exporter]) -> None:
+    a = Exporter().ready()
+    exporters.append(a)
+    rig = fleet_rig(tmp_path, "b", {"a": a.url, "c": "http://127.0.0.1:9/ready"}, min_ready=2)
+    assert want_decay(rig) == "wait"
+    assert rig.value("llm_appliance_restart_pending") == 1 and rig.control.restarts == []
+
+
+def test_a_fleet_wide_decay_alerts_instead_of_restarting(tmp_path: Path, exporters: list[Exporter]) -> None:
+    a, c = Exporter().ready(), Exporter().ready()
+    exporters += [a, c]
+    rig = fleet_rig(tmp_path, "b", {"a": a.url, "c": c.url}, min_ready=1)
+    a.readiness.restart_wanted("decay", claim=False)
+    assert want_decay(rig) == "held"
+    assert rig.value("llm_appliance_fleet_decay") == 1
+    assert rig.daemon.readiness.reason is None and rig.control.restarts == []
+    a.readiness.restart_wanted(None, claim=False)  # b alone decays: its own fault, restarted
+    assert poll(rig) == "claim"
+    assert rig.value("llm_appliance_fleet_decay") == 0
+
+
+# -- restarts asked for --
+
+
+def test_an_asked_restart_takes_the_turn_and_the_drain(tmp_path: Path, exporters: list[Exporter]) -> None:
+    exporters += [Exporter().ready(), Exporter().ready()]
+    rig = fleet_rig(tmp_path, "b", {"a": exporters[0].url, "c": exporters[1].url}, min_ready=2)
+    rig.check(None)
+    state = rig.state_file.parent
+    requests = RestartRequests(state)
+    wanted = requests.submit("scheduled")
+    assert not requests.taken(wanted)
+    assert poll(rig) == "claim"
+    assert requests.taken(wanted) and (state / ADOPTED).exists() and not (state / REQUEST).exists()
+    assert poll(rig) == "drain"
+    # Stopped mid-drain (a crash, a stop): the next daemon finds the adopted request and carries it out.
+    rig.new_daemon()
+    assert poll(rig) == "claim"
+    assert poll(rig) == "drain"
+    assert poll(rig, DRAIN) == "restart"
+    assert rig.control.restarts == ["scheduled"] and not (state / ADOPTED).exists()
+    assert rig.restarts("scheduled") == 1
+
+
+def test_an_asked_restart_is_not_the_policys_to_refuse(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, make_spec(tmp_path, restart={"max_per_hour": 1, "cooldown_seconds": 3600}))
+    rig.check(None)
+    for reason in ("manual", "scheduled"):
+        RestartRequests(rig.state_file.parent).submit(reason)  # type: ignore[arg-type]
+        assert poll(rig) == "restart"
+    assert rig.control.restarts == ["manual", "scheduled"]
+
+
+def test_a_garbled_request_is_dropped_not_obeyed(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.check(None)
+    rig.state_file.parent.mkdir(exist_ok=True)
+    (rig.state_file.parent / REQUEST).write_text('{"reason": "rm -rf /", "requested_at": 1, "id": "x"}')
+    assert poll(rig) == "none"
+    assert rig.control.restarts == [] and not (rig.state_file.parent / ADOPTED).exists()
+
+
+def test_the_loop_wakes_for_a_request_between_checks(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, make_spec(tmp_path, health={"interval_seconds": 3600}))
+    stop = threading.Event()
+    loop = threading.Thread(target=rig.daemon.run, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        assert rig.daemon.readiness.wait_for(lambda reason: reason is None, timeout=60)
+        RestartRequests(rig.state_file.parent).submit("manual")
+        # Not an hour later: within the second the loop looks for requests.
+        assert rig.daemon.readiness.wait_for(lambda reason: reason == "restarting", timeout=60)
+        assert rig.control.restarts == ["manual"]
+    finally:
+        stop.set()
+        loop.join(timeout=60)
