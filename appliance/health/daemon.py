@@ -417,8 +417,9 @@ class HealthDaemon:
         asked = self.requested.reason if self.requested else None
         self.readiness.restart_wanted(seen.reason or asked, self.claimed)
         if decision.action == "exhausted":
-            log.error(
-                "restart wanted (%s) but not done: %s; the server needs a human", decision.reason, decision.detail
+            self._say(
+                f"restart wanted ({decision.reason}) but not done: {decision.detail}; the server needs a human",
+                level=logging.ERROR,
             )
         elif decision.action in ("wait", "cooldown"):
             log.info("restart wanted (%s): %s", decision.reason, decision.detail)
