@@ -20,11 +20,12 @@ import pytest
 
 import appliance.facts.machine
 import appliance.system.files
-from appliance.cli.commands import EXIT_APPLY, EXIT_DIFFERS, EXIT_INVALID, EXIT_OK, EXIT_USAGE, spec_schema
+from appliance.cli.commands import EXIT_APPLY, EXIT_INVALID, EXIT_OK, EXIT_USAGE, spec_schema
 from appliance.cli.main import main
 from appliance.facts.gpu import NvmlUnavailable
 from appliance.facts.machine import find_binary
 from appliance.ops.models import SMOLLM2
+from appliance.ops.status import EXIT, EXIT_UNKNOWN
 from appliance.plan.resolved import SNAPSHOT
 from appliance.render.apply import ApplyError, Change, write
 from appliance.spec.load import load_spec
@@ -278,7 +279,7 @@ def test_status_compares_the_spec_on_disk_with_the_applied_snapshot(cli: Run, de
     root = tmp_path / "root"
     code, _, err = cli("status", "--root", root)
     assert (code, err) == (
-        EXIT_INVALID,
+        EXIT_UNKNOWN,
         f"status: {root}/{SNAPSHOT.relative_to('/')} does not exist: nothing is applied; run `llm-appliance apply SPEC`\n",
     )
     assert cli("apply", demo, "--root", root)[0] == EXIT_OK
@@ -288,7 +289,7 @@ def test_status_compares_the_spec_on_disk_with_the_applied_snapshot(cli: Run, de
 
     installed.write_text(installed.read_text().replace("ctx_size = 4096", "ctx_size = 8192"))
     code, out, _ = cli("status", "--root", root)
-    assert code == EXIT_DIFFERS
+    assert code == EXIT["degraded"]
     lines = out.splitlines()
     assert f"spec: {installed} differs from what is applied; the running appliance still uses the applied one" in lines
     assert "  server.ctx_size: 4096 -> 8192" in lines
@@ -298,7 +299,7 @@ def test_status_compares_the_spec_on_disk_with_the_applied_snapshot(cli: Run, de
 
     (root / SNAPSHOT.relative_to("/")).write_text("{")
     code, _, err = cli("status", "--root", root)
-    assert code == EXIT_INVALID and err.startswith(f"status: cannot read {root}/{SNAPSHOT.relative_to('/')}: ")
+    assert code == EXIT_UNKNOWN and err.startswith(f"status: cannot read {root}/{SNAPSHOT.relative_to('/')}: ")
     assert "re-run `llm-appliance apply SPEC`" in err and "Traceback" not in err
 
 

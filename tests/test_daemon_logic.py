@@ -800,3 +800,12 @@ def test_a_draining_daemon_stays_not_ready_while_the_server_is_up(rig: Rig) -> N
     rig.check(None)
     assert rig.daemon.readiness.reason == "draining"
     assert rig.value("llm_appliance_draining") == 1 and rig.value("llm_appliance_ready") == 0
+
+
+def test_a_window_of_a_few_tokens_sets_no_rate(rig: Rig) -> None:
+    # A warm-up the daemon gave up on and the server finished: 4 tokens timed in microseconds by llama-server.
+    rig.check(None)
+    seen = rig.check(1_000_000, tokens=4)
+    assert seen.decode_tps is None
+    assert rig.value("llm_appliance_decode_tokens_per_second", bucket="ctx<=1K") is None
+    assert rig.check(RATE).decode_tps == RATE

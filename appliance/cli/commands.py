@@ -1,8 +1,8 @@
 """The commands of `llm-appliance`, one function each: arguments in, an exit code out.
 
 Exit codes: 0 ok, 1 invalid spec or snapshot (or rendered files their own checkers reject), 2 usage, 3 apply
-or a system command failed, 4 engine or model provisioning failed, 5 (status) the spec differs from what is
-applied, 130 interrupted.
+or a system command failed, 4 engine or model provisioning failed, 130 interrupted. `status` has its own, a
+monitoring plugin's: 0 healthy, 1 degraded, 2 down, 3 unknown.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from appliance.ops import engine, models
 from appliance.plan.budget import GIB, lines
 from appliance.plan.fit import fit_lines, largest_fits
 from appliance.plan.report import plan_json
-from appliance.plan.resolved import SNAPSHOT, Appliance, changed_fields, resolve
+from appliance.plan.resolved import SNAPSHOT, Appliance, SnapshotError, changed_fields, resolve
 from appliance.plan.validate import Validated, validate
 from appliance.render.apply import changes, installed_spec_path, reload_system, write
 from appliance.render.check import require_accepted
@@ -29,11 +29,11 @@ from appliance.render.render import render
 from appliance.runtime.launch import Launcher, LaunchPlan
 from appliance.spec.load import load_spec
 from appliance.spec.model import DEFAULT_BINARY, Spec
-from appliance.spec.problems import report
+from appliance.spec.problems import SpecInvalid, report
 from appliance.system import paths
 from appliance.system.run import CommandFailed
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_APPLY, EXIT_ENGINE, EXIT_DIFFERS = 0, 1, 2, 3, 4, 5
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_APPLY, EXIT_ENGINE = 0, 1, 2, 3, 4
 
 
 def _validated(spec: Path) -> Validated:
@@ -209,24 +209,44 @@ def cmd_engine_info(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Is what runs what the spec says? The applied snapshot against the spec on disk."""
+    """How the appliance is doing, and whether the spec on disk is what runs; the exit code of a monitoring plugin
+    (0 healthy, 1 degraded, 2 down, 3 unknown). Under `up` (nothing applied): name the spec `up` runs."""
+    from appliance.ops.status import EXIT, EXIT_UNKNOWN, Mode, gather, report
+
+    mode: Mode
     snapshot = args.root / SNAPSHOT.relative_to("/")
-    applied = Appliance.read(snapshot)
-    spec_path = args.spec or args.root / applied.spec_file.relative_to("/")
-    print(f"applied: {snapshot} (from {applied.spec_file})")
-    proposed = _appliance(spec_path)
-    differences = changed_fields(applied, proposed)
-    found = changes(_files(spec_path), args.root)
-    if not differences and not found:
-        print(f"spec: {spec_path} is what is applied")
-        return EXIT_OK
-    print(f"spec: {spec_path} differs from what is applied; the running appliance still uses the applied one")
-    for line in differences:
-        print(f"  {line}")
-    print(f"`llm-appliance apply {spec_path}` would change:")
-    for change in found:
-        print(f"  {change.kind} {args.root / change.path}")
-    return EXIT_DIFFERS
+    try:
+        # --state-dir, or a spec and nothing applied: the appliance `up` runs from that spec.
+        if args.state_dir is None and (snapshot.exists() or args.spec is None):
+            running, mode = Appliance.read(snapshot), "systemd"
+            spec_path = args.spec or args.root / running.spec_file.relative_to("/")
+            differences = _spec_differences(running, spec_path, args.root)
+        else:
+            running, mode, differences = _appliance(args.spec, args.state_dir or paths.STATE), "up", []
+    except (SnapshotError, SpecInvalid) as exc:
+        print(f"status: {exc}", file=sys.stderr)
+        return EXIT_UNKNOWN
+    if args.root != Path("/"):
+        # A staged tree: nothing of it runs here; only the spec comparison means anything.
+        if not differences:
+            print(f"spec: {spec_path} is what is applied")
+            return 0
+        print(f"spec: {spec_path} differs from what is applied; the running appliance still uses the applied one")
+        print("\n".join(f"  {line}" for line in differences))
+        return 1
+    seen = gather(running, mode, differences)
+    print(json.dumps(seen.document(), indent=2) if args.json else report(seen))
+    return EXIT[seen.health]
+
+
+def _spec_differences(applied: Appliance, spec_path: Path, root: Path) -> list[str]:
+    """What `apply` of the spec on disk would change: its fields against the applied ones, then the files."""
+    try:
+        proposed = _appliance(spec_path)
+    except SpecInvalid as exc:
+        return [f"{spec_path} does not validate ({len(exc.errors)} errors): `llm-appliance validate {spec_path}`"]
+    found = [f"{change.kind} {root / change.path}" for change in changes(_files(spec_path), root)]
+    return changed_fields(applied, proposed) + found
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -94,9 +94,21 @@ def _spec_commands(command: Command) -> None:
     p.add_argument("--root", type=Path, default=Path("/"), help="install under this directory (default /)")
     p.add_argument("--dry-run", action="store_true", help="say what would change, write nothing")
     p.add_argument("--diff", action="store_true", help="show a unified diff of each change")
-    p = command("status", cmd_status, "say whether the spec on disk differs from what is applied (exit 5 if so)")
-    p.add_argument("spec", type=Path, nargs="?", help="default: the spec the applied snapshot came from")
+    p = command(
+        "status",
+        cmd_status,
+        "how the appliance is doing, and whether the spec on disk is what runs "
+        "(exit 0 healthy, 1 degraded, 2 down, 3 unknown)",
+    )
+    p.add_argument(
+        "spec",
+        type=Path,
+        nargs="?",
+        help="default: the spec the applied snapshot came from; under `up`: the spec it runs",
+    )
     p.add_argument("--root", type=Path, default=Path("/"), help="the root apply wrote under (default /)")
+    p.add_argument("--state-dir", type=Path, help=f"under `up`: its --state-dir (default {paths.STATE})")
+    p.add_argument("--json", action="store_true", help="the same facts as JSON, for scripts")
     command("schema", cmd_schema, "print the spec's JSON Schema")
 
 

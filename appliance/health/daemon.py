@@ -45,6 +45,8 @@ CANARY_TOKENS = 32
 # for CUDA graphs and caches, and should not be a client's.
 WARMUP_PROMPT = "Hello"
 WARMUP_TOKENS = 4
+# A window of fewer generated tokens says nothing about the decode rate.
+MIN_RATE_TOKENS = 16
 # While draining, checks come this often (at most): the drain ends, and idle is seen, within this much.
 DRAIN_POLL_SECONDS = 1.0
 # A peer's /ready answers at once or the peer does not count: the guard must not stall the drain's polls.
@@ -229,7 +231,9 @@ class HealthDaemon:
             self.last_tokens_at = now
             self.warmed_up = True
             rate = w.decode_tps
-            if rate is not None:
+            # A few tokens (a warm-up the daemon gave up on, which the server finished anyway) are timed in
+            # microseconds by llama-server: a rate of millions that would become the baseline.
+            if rate is not None and w.tokens >= MIN_RATE_TOKENS:
                 self._record_rate(context_bucket(self._context_tokens()), rate, seen)
             self.metrics.drafted.inc(max(w.drafted, 0))
             self.metrics.accepted.inc(max(w.accepted, 0))
@@ -248,8 +252,14 @@ class HealthDaemon:
 
     def _warm_up(self) -> None:
         try:
+            # The whole probe timeout, not the share of the interval a check's probes get: a cold server (first
+            # CUDA graphs) on a busy box may need it, and /ready waits for this completion anyway.
             self.api.completion(
-                WARMUP_PROMPT, WARMUP_TOKENS, timeout=self.api.timeout, temperature=0, cache_prompt=False
+                WARMUP_PROMPT,
+                WARMUP_TOKENS,
+                timeout=self.config.spec.health.probe_timeout_seconds,
+                temperature=0,
+                cache_prompt=False,
             )
         except ServerUnreachable as exc:
             log.warning("warm-up completion failed (not ready yet): %s", exc)

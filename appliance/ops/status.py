@@ -1,0 +1,279 @@
+"""`llm-appliance status`: one screen an admin reads in five seconds, and an exit code a monitoring plugin reads.
+
+Everything comes from where the running appliance publishes it: systemd (unit states, since when), llama-server
+(/health), the health daemon's exporter (/metrics, /ready), the restart history, and the spec on disk against the
+applied snapshot. Under `up` (no systemd) the same, less the units. `gather` asks; `assess` and `report` are pure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance.health.peers import Peer, read_peer
+from appliance.health.requests import ADOPTED, REQUEST
+from appliance.plan.resolved import Appliance
+from appliance.runtime.server_api import ServerApi, ServerUnreachable
+from appliance.system import paths
+from appliance.system.run import CommandFailed, run
+
+Health = Literal["healthy", "degraded", "down"]
+Mode = Literal["systemd", "up"]
+# The monitoring-plugins convention (Nagios, Icinga, Checkmk): OK, WARNING, CRITICAL; UNKNOWN when it cannot tell.
+EXIT: dict[Health, int] = {"healthy": 0, "degraded": 1, "down": 2}
+EXIT_UNKNOWN = 3
+TIMEOUT_SECONDS = 3.0
+LAST_RESTARTS = 5
+# A state file larger than this is not the daemon's (which prunes to a week of restarts): not read.
+STATE_FILE_LIMIT = 1 << 20
+
+Series = dict[str, list[tuple[dict[str, str], float]]]
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    state: str  # "active (running)", "inactive (dead)", "failed (failed)"
+    since: str = ""  # systemd's timestamp of the state, or the timer's next run
+
+
+@dataclass
+class Status:
+    mode: Mode
+    spec_file: str
+    units: list[Unit] = field(default_factory=list)
+    server: str = "unreachable"  # /health: "ok", "loading", "HTTP n", "unreachable (why)"
+    ready: Peer | None = None  # the daemon's /ready; None when its exporter does not answer
+    metrics: Series = field(default_factory=dict)
+    pins: dict[str, str] = field(default_factory=dict)
+    decay_ratio: float = 0.0
+    restarts: list[tuple[float, str]] = field(default_factory=list)
+    asked: str | None = None  # a restart asked for and not done yet: "scheduled (waiting)", "manual (in progress)"
+    spec_differences: list[str] = field(default_factory=list)
+    health: Health = "down"
+    problems: list[str] = field(default_factory=list)
+
+    def value(self, name: str, **labels: str) -> float | None:
+        for found, value in self.metrics.get(f"llm_appliance_{name}", []):
+            if all(found.get(k) == v for k, v in labels.items()):
+                return value
+        return None
+
+    def document(self) -> dict[str, object]:
+        """--json: the same facts, for scripts."""
+        shown = asdict(self)
+        shown["metrics"] = {
+            name: [{"labels": labels, "value": v} for labels, v in s] for name, s in self.metrics.items()
+        }
+        shown["exit_code"] = EXIT[self.health]
+        return shown
+
+
+def gather(appliance: Appliance, mode: Mode, spec_differences: list[str]) -> Status:
+    spec = appliance.spec
+    seen = Status(mode, str(appliance.spec_file), spec_differences=spec_differences)
+    seen.pins = {k: str(v) for k, v in spec.versions.model_dump().items() if v and k != "on_mismatch"}
+    seen.decay_ratio = spec.health.decay_ratio
+    if mode == "systemd":
+        seen.units = [_unit(name) for name in (paths.SERVER_UNIT, paths.HEALTH_UNIT, paths.RESTART_TIMER)]
+    try:
+        code = ServerApi(appliance.server.url, timeout=TIMEOUT_SECONDS).health()
+        seen.server = {200: "ok", 503: "loading"}.get(code, f"HTTP {code}")
+    except ServerUnreachable as exc:
+        seen.server = f"unreachable ({exc})"
+    ready = read_peer("self", appliance.exporter.url.rstrip("/") + "/ready", TIMEOUT_SECONDS)
+    if not (ready.reason or "").startswith("unreachable"):
+        seen.ready = ready
+        seen.metrics = _scrape(appliance.exporter.url.rstrip("/") + "/metrics")
+    state = appliance.state_file.parent
+    seen.restarts = _restarts(appliance.state_file)[-LAST_RESTARTS:]
+    for name, words in ((ADOPTED, "in progress"), (REQUEST, "not yet taken by the daemon")):
+        asked = _read_small(state / name)
+        if asked is not None:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                seen.asked = f"{json.loads(asked)['reason']} ({words})"
+    seen.health, seen.problems = assess(seen)
+    return seen
+
+
+def assess(seen: Status) -> tuple[Health, list[str]]:
+    """Down: llama-server does not answer (or its unit is not active). Degraded: it answers, but something an
+    admin should look at holds (not ready, decay, versions, speculation, budget, headroom, the daemon, the spec)."""
+    down, degraded = [], []
+    server_unit = next((u for u in seen.units if u.name == paths.SERVER_UNIT), None)
+    if server_unit and not server_unit.state.startswith("active"):
+        down.append(f"{server_unit.name} is {server_unit.state}")
+    if seen.server != "ok":
+        down.append(f"llama-server /health: {seen.server}")
+    if seen.ready is None:
+        degraded.append("the health daemon's exporter does not answer: nothing is watched")
+    else:
+        if not seen.ready.ready and seen.server == "ok":
+            degraded.append(f"not ready for a balancer: {seen.ready.reason}")
+        for name, words in (
+            ("version_mismatch", "versions differ from the spec's pins"),
+            ("version_drift", "versions changed since the baseline was measured"),
+            ("restart_budget_exhausted", "max_per_hour restarts reached: the daemon stopped restarting"),
+            ("fleet_decay", "most of the fleet decays at once: decay restarts held"),
+        ):
+            if seen.value(name) == 1:
+                degraded.append(words)
+        if seen.value("draft_configured") == 1 and seen.value("speculation_engaged") == 0:
+            degraded.append("a draft is configured and no drafts are made")
+        for bucket, rate, baseline in _buckets(seen):
+            if baseline and rate < seen.decay_ratio * baseline:
+                degraded.append(
+                    f"decode {rate:.0f} tok/s in {bucket}, below {seen.decay_ratio} x baseline {baseline:.0f}"
+                )
+    if seen.spec_differences:
+        degraded.append("the spec on disk differs from what is applied")
+    if down:
+        return "down", down + degraded
+    return ("degraded" if degraded else "healthy"), degraded
+
+
+def report(seen: Status) -> str:
+    """The screen."""
+    lines = [
+        f"llm-appliance: {seen.health.upper()} ({seen.spec_file}, {'systemd' if seen.mode == 'systemd' else 'up, no systemd'})"
+    ]
+    lines += [f"  ! {problem}" for problem in seen.problems]
+    for unit in seen.units:
+        lines.append(f"unit     {unit.name}: {unit.state}{f' since {unit.since}' if unit.since else ''}")
+    ready = (
+        "exporter not answering"
+        if seen.ready is None
+        else "ready"
+        if seen.ready.ready
+        else f"not ready: {seen.ready.reason}"
+    )
+    lines.append(f"server   /health {seen.server}; /ready {ready}")
+    versions = next(iter(labels for labels, _ in seen.metrics.get("llm_appliance_version_info", [])), {})
+    if versions:
+        shown = ", ".join(
+            f"{k} {v}" + (f" (pin {seen.pins[k]})" if k in seen.pins else "") for k, v in sorted(versions.items())
+        )
+        lines.append(f"versions {shown}")
+    for bucket, rate, baseline in _buckets(seen):
+        against = (
+            f" / baseline {baseline:.1f} (decay below {seen.decay_ratio * baseline:.1f})"
+            if baseline
+            else " (learning baseline)"
+        )
+        lines.append(f"decode   {bucket}: {rate:.1f} tok/s{against}")
+    acceptance = seen.value("speculation_acceptance_ratio")
+    if seen.value("draft_configured") == 1:
+        engaged = "engaged" if seen.value("speculation_engaged") == 1 else "NOT ENGAGED"
+        lines.append(f"draft    {engaged}" + (f", acceptance {acceptance:.2f}" if acceptance is not None else ""))
+    lines += _memory(seen)
+    if seen.restarts:
+        last = "; ".join(
+            f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(t))} {r}" for t, r in reversed(seen.restarts)
+        )
+        lines.append(f"restarts {last}")
+    pending = _pending(seen)
+    if pending:
+        lines.append(f"pending  {pending}")
+    if seen.spec_differences:
+        lines.append("spec     differs from what is applied (`llm-appliance apply` it):")
+        lines += [f"  {line}" for line in seen.spec_differences]
+    else:
+        lines.append("spec     is what is applied")
+    return "\n".join(lines)
+
+
+def _buckets(seen: Status) -> list[tuple[str, float, float | None]]:
+    return [
+        (labels["bucket"], value, seen.value("decode_baseline_tokens_per_second", bucket=labels["bucket"]))
+        for labels, value in seen.metrics.get("llm_appliance_decode_tokens_per_second", [])
+    ]
+
+
+def _memory(seen: Status) -> list[str]:
+    mib = 1 << 20
+    lines = []
+    for labels, used in seen.metrics.get("llm_appliance_gpu_memory_used_bytes", []):
+        total = seen.value("gpu_memory_total_bytes", device=labels["device"]) or 0.0
+        free = seen.value("gpu_memory_free_bytes", device=labels["device"]) or 0.0
+        lines.append(
+            f"gpu      {labels['device']}: {used / mib:.0f} of {total / mib:.0f} MiB used, {free / mib:.0f} free"
+        )
+    vram, creep = seen.value("server_vram_bytes"), seen.value("server_vram_creep_ratio")
+    if vram:
+        lines.append(
+            f"vram     llama-server {vram / mib:.0f} MiB" + (f", creep {100 * creep:.0f}%" if creep is not None else "")
+        )
+    return lines
+
+
+def _pending(seen: Status) -> str | None:
+    if seen.ready is not None and seen.ready.reason in ("draining", "restarting"):
+        return f"restart under way ({seen.ready.reason}" + (f", for {seen.ready.wants})" if seen.ready.wants else ")")
+    if seen.ready is not None and seen.ready.wants:
+        claim = ", its turn claimed" if seen.ready.claim else ""
+        return f"restart wanted ({seen.ready.wants}){claim}; waiting (the daemon's log says why)"
+    if seen.asked:
+        return f"restart asked for: {seen.asked}"
+    return None
+
+
+def _unit(name: str) -> Unit:
+    properties = ("ActiveState", "SubState", "ActiveEnterTimestamp", "NextElapseUSecRealtime")
+    try:
+        shown = run(["systemctl", "show", *(f"--property={p}" for p in properties), name], timeout=10, quiet=True)
+    except CommandFailed as exc:
+        return Unit(name, f"unknown ({exc})")
+    values = dict(line.partition("=")[::2] for line in shown.stdout.splitlines())
+    since = values.get("ActiveEnterTimestamp", "")
+    if name.endswith(".timer") and values.get("NextElapseUSecRealtime"):
+        since = (
+            f"{since}; next {values['NextElapseUSecRealtime']}" if since else f"next {values['NextElapseUSecRealtime']}"
+        )
+    return Unit(name, f"{values.get('ActiveState', '?')} ({values.get('SubState', '?')})", since)
+
+
+def _scrape(url: str) -> Series:
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_SECONDS) as answer:
+            text = answer.read().decode()
+    except (OSError, ValueError):
+        return {}
+    series: Series = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            series.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    return series
+
+
+def _restarts(path: Path) -> list[tuple[float, str]]:
+    text = _read_small(path)
+    try:
+        entries = json.loads(text or "{}").get("restarts", [])
+        return [(float(t), str(r)) for t, r in entries]
+    except (ValueError, TypeError, AttributeError):
+        return []
+
+
+def _read_small(path: Path) -> str | None:
+    """A file in the service user's state directory, as root may read it: never through a link, never a FIFO
+    or a device (O_NONBLOCK, a regular file only), never more than a state file holds."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode) or status.st_size > STATE_FILE_LIMIT:
+            return None
+        return os.read(descriptor, STATE_FILE_LIMIT).decode(errors="replace")
+    finally:
+        os.close(descriptor)
