@@ -182,6 +182,9 @@ def test_stop_and_start_through_systemctl(machine: Machine) -> None:
         machine.run("systemctl is-active llm-appliance-health.service", check=False).stdout.strip() == "inactive"
     )  # bound to it
     assert machine.run("pgrep -x llama-server", check=False).returncode == 1
+    status = machine.run(f"{CLI} status", check=False)
+    assert status.returncode == 2 and status.stdout.startswith("llm-appliance: DOWN"), status.stdout  # down
+    assert "llm-appliance-server.service: inactive (dead)" in status.stdout
     started = time.monotonic()
     machine.run("systemctl start llm-appliance-server.service", timeout=300)
     # Type=notify through the launcher: start returned, so the model is loaded and /health answers now.
@@ -227,18 +230,21 @@ def test_an_edit_that_was_not_applied_changes_nothing_that_runs_and_status_says_
         machine.wait_for("curl -sf http://127.0.0.1:9478/metrics | grep -q llm_appliance_server_up", 60, "the exporter")
         assert machine.run("curl -s http://127.0.0.1:9479/metrics", check=False).returncode != 0
         status = machine.run(f"{CLI} status", check=False)
-        assert status.returncode == 5, status.stdout + status.stderr
-        assert "/etc/llm-appliance/demo.toml differs from what is applied" in status.stdout
-        assert "server.ctx_size: 4096 -> 2048" in status.stdout
-        assert "prometheus.port: 9478 -> 9479" in status.stdout
-        assert "update /etc/llm-appliance/rendered/appliance.json" in status.stdout
+        assert status.returncode == 1, status.stdout + status.stderr  # degraded
+        assert "  ! the spec on disk differs from what is applied" in status.stdout
+        assert "  server.ctx_size: 4096 -> 2048" in status.stdout
+        assert "  prometheus.port: 9478 -> 9479" in status.stdout
+        assert "  update /etc/llm-appliance/rendered/appliance.json" in status.stdout
     finally:
         spec.write_text(applied)
-    status = machine.run(f"{CLI} status", check=False)
-    assert (status.returncode, status.stdout.splitlines()[-1]) == (
-        0,
-        "spec: /etc/llm-appliance/demo.toml is what is applied",
-    )
+    # Healthy once the restarted server's warm-up completion made /ready say 200.
+    machine.wait_for(f"{CLI} status", 120, "a healthy status")
+    status = machine.run(f"{CLI} status")
+    lines = status.stdout.splitlines()
+    assert lines[0] == "llm-appliance: HEALTHY (/etc/llm-appliance/demo.toml, systemd)", status.stdout
+    assert lines[-1] == "spec     is what is applied"
+    assert any(line.startswith("unit     llm-appliance-server.service: active (running) since ") for line in lines)
+    assert any(line.startswith("unit     llm-appliance-restart.timer: active (waiting)") for line in lines)
 
 
 @pytest.mark.parametrize("unit", ["llm-appliance-server.service", "llm-appliance-health.service"])
