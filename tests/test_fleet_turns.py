@@ -21,6 +21,7 @@ from appliance.health.drain import restart_turn
 from appliance.health.exporter import Metrics, Readiness, serve
 from appliance.health.peers import Peer, read_peer
 from appliance.health.requests import ADOPTED, REQUEST, RestartRequests
+from appliance.runtime.server_api import ServerUnreachable
 
 DRAIN = 4
 SETTLE = 6
@@ -275,3 +276,15 @@ def test_the_loop_wakes_for_a_request_between_checks(tmp_path: Path) -> None:
     finally:
         stop.set()
         loop.join(timeout=60)
+
+
+def test_a_hung_host_restarts_without_waiting_for_its_turn(tmp_path: Path, exporters: list[Exporter]) -> None:
+    a = Exporter()  # loading: no other host serves
+    exporters.append(a)
+    rig = fleet_rig(tmp_path, "b", {"a": a.url}, min_ready=1)
+    rig.check(None)
+    rig.api.health_error = ServerUnreachable("timed out")  # accepts, never answers
+    actions = [poll(rig, 30) for _ in range(rig.spec.health.consecutive)]
+    assert actions[-1] == "drain", actions  # out of the rotation already: no claim, only the drain's own wait
+    assert poll(rig, DRAIN) == "restart"
+    assert rig.control.restarts == ["hang"]

@@ -448,7 +448,8 @@ class HealthDaemon:
         """The restart once it is this host's turn in the fleet (always, alone): claim, drain, restart."""
         self.in_turn = True
         fleet = self.config.spec.fleet
-        if fleet is None or not fleet.peers:
+        # A server that does not answer (hung, gone) is out of the rotation already: no turn to wait for.
+        if fleet is None or not fleet.peers or not seen.up:
             self._drain_then_restart(reason, detail, now, seen)
             return
         peers = self.read_peers(fleet.peers)
