@@ -17,6 +17,7 @@ import jinja2
 from appliance import __version__
 from appliance.plan.budget import MIB
 from appliance.plan.resolved import SNAPSHOT, Appliance, Endpoint
+from appliance.render.dashboard import dashboard_json
 from appliance.render.promql import label_matchers, quoted, series
 from appliance.spec.model import Spec
 from appliance.system import paths
@@ -61,6 +62,7 @@ class View:
     server_unit: str
     health_unit: str
     snapshot_json: str
+    dashboard_json: str  # Grafana's dashboard model, built as data (dashboard.py)
     scrape_interval: str
     labels: tuple[tuple[str, str], ...]  # the spec's labels, each value quoted (valid in YAML and in PromQL)
     rule_labels: tuple[tuple[str, str], ...]  # ...in an alerting rule, where Prometheus expands templates
@@ -132,6 +134,7 @@ def view(appliance: Appliance) -> View:
         server_unit=paths.SERVER_UNIT,
         health_unit=paths.HEALTH_UNIT,
         snapshot_json=appliance.to_json(header),
+        dashboard_json=dashboard_json(appliance, header),
         scrape_interval=f"{spec.prometheus.scrape_interval_seconds}s",
         labels=tuple((name, quoted(value)) for name, value in labels),
         rule_labels=tuple((name, f'"{_in_template(value)}"') for name, value in labels),
@@ -195,6 +198,7 @@ FILES = {
     str(SNAPSHOT.relative_to("/")): "appliance.json.j2",
     "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml": "alerts.rules.yml.j2",
     "etc/llm-appliance/rendered/prometheus/scrape.yml": "scrape.yml.j2",
+    "etc/llm-appliance/rendered/grafana/llm-appliance.json": "grafana.json.j2",
     "etc/polkit-1/rules.d/50-llm-appliance.rules": "polkit.rules.j2",
 }
 # Files earlier versions rendered and this one does not: uninstall removes them too.
