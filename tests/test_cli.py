@@ -33,6 +33,7 @@ from appliance.spec.load import load_spec
 CLI = Path(sys.executable).parent / "llm-appliance"
 RENDERED = [
     "etc/llm-appliance/rendered/appliance.json",
+    "etc/llm-appliance/rendered/grafana/llm-appliance.json",
     "etc/llm-appliance/rendered/llm-appliance.nft",
     "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml",
     "etc/llm-appliance/rendered/prometheus/scrape.yml",

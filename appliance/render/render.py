@@ -6,8 +6,6 @@ no arithmetic, no string surgery, no lists built in a template.
 
 from __future__ import annotations
 
-import json
-import unicodedata
 import urllib.parse
 from dataclasses import dataclass
 from functools import cache
@@ -19,6 +17,8 @@ import jinja2
 from appliance import __version__
 from appliance.plan.budget import MIB
 from appliance.plan.resolved import SNAPSHOT, Appliance, Endpoint
+from appliance.render.dashboard import dashboard_json
+from appliance.render.promql import label_matchers, quoted, series
 from appliance.spec.model import Spec
 from appliance.system import paths
 
@@ -62,6 +62,7 @@ class View:
     server_unit: str
     health_unit: str
     snapshot_json: str
+    dashboard_json: str  # Grafana's dashboard model, built as data (dashboard.py)
     scrape_interval: str
     labels: tuple[tuple[str, str], ...]  # the spec's labels, each value quoted (valid in YAML and in PromQL)
     rule_labels: tuple[tuple[str, str], ...]  # ...in an alerting rule, where Prometheus expands templates
@@ -108,7 +109,7 @@ def view(appliance: Appliance) -> View:
         server=appliance.server,
         exporter=appliance.exporter,
         scrape_key_file=str(appliance.scrape_key_file) if appliance.scrape_key_file else None,
-        scrape_key_file_yaml=_quoted(str(appliance.scrape_key_file or "")),
+        scrape_key_file_yaml=quoted(str(appliance.scrape_key_file or "")),
         scrape_key_file_text=_in_template(str(appliance.scrape_key_file or "")),
         spec_file_text=_in_template(str(appliance.spec_file)),
         on_gpu_devices=bool(appliance.server_devices),
@@ -133,10 +134,11 @@ def view(appliance: Appliance) -> View:
         server_unit=paths.SERVER_UNIT,
         health_unit=paths.HEALTH_UNIT,
         snapshot_json=appliance.to_json(header),
+        dashboard_json=dashboard_json(appliance, header),
         scrape_interval=f"{spec.prometheus.scrape_interval_seconds}s",
-        labels=tuple((name, _quoted(value)) for name, value in labels),
+        labels=tuple((name, quoted(value)) for name, value in labels),
         rule_labels=tuple((name, f'"{_in_template(value)}"') for name, value in labels),
-        selectors=selectors(appliance, [f"{name}={_quoted(value)}" for name, value in labels]),
+        selectors=selectors(appliance, label_matchers(spec.prometheus.labels)),
         decay_ratio=spec.health.decay_ratio,
         creep_ratio=spec.health.creep_ratio,
         min_free_bytes=appliance.min_free_bytes,
@@ -148,44 +150,36 @@ def view(appliance: Appliance) -> View:
     )
 
 
-def selectors(appliance: Appliance, label_matchers: list[str]) -> dict[str, str]:
-    """Every selector carries the spec's labels, so two appliances in one Prometheus never answer for each other."""
+def selectors(appliance: Appliance, labels: tuple[str, ...]) -> dict[str, str]:
+    """Each series the alerts read, with the spec's labels as matchers."""
 
-    def series(metric: str, *matchers: str) -> str:
-        every = [*matchers, *label_matchers]
-        return f"{metric}{{{', '.join(every)}}}" if every else metric
+    def of(metric: str, *matchers: str) -> str:
+        return series(metric, labels, *matchers)
 
     devices = "|".join(appliance.server_devices)
     return {
-        "server_up": series("llm_appliance_server_up"),
-        "server_scraped": series("up", 'job="llm-appliance-llama-server"'),
-        "health_scraped": series("up", 'job="llm-appliance-health"'),
-        "decode_tps": series("llm_appliance_decode_tokens_per_second"),
-        "decode_baseline": series("llm_appliance_decode_baseline_tokens_per_second"),
-        "vram_creep": series("llm_appliance_server_vram_creep_ratio"),
-        "gpu_free": series("llm_appliance_gpu_memory_free_bytes", f'device=~"{devices}"'),
-        "speculation_engaged": series("llm_appliance_speculation_engaged"),
-        "draft_configured": series("llm_appliance_draft_configured"),
-        "acceptance": series("llm_appliance_speculation_acceptance_ratio"),
-        "drafted": series("llm_appliance_speculation_drafted_tokens_total"),
-        "version_mismatch": series("llm_appliance_version_mismatch"),
-        "version_drift": series("llm_appliance_version_drift"),
-        "restart_budget_exhausted": series("llm_appliance_restart_budget_exhausted"),
-        "unplanned_restarts": series("llm_appliance_restarts_total", 'reason!~"scheduled|manual"'),
+        "server_up": of("llm_appliance_server_up"),
+        "server_scraped": of("up", 'job="llm-appliance-llama-server"'),
+        "health_scraped": of("up", 'job="llm-appliance-health"'),
+        "decode_tps": of("llm_appliance_decode_tokens_per_second"),
+        "decode_baseline": of("llm_appliance_decode_baseline_tokens_per_second"),
+        "vram_creep": of("llm_appliance_server_vram_creep_ratio"),
+        "gpu_free": of("llm_appliance_gpu_memory_free_bytes", f'device=~"{devices}"'),
+        "speculation_engaged": of("llm_appliance_speculation_engaged"),
+        "draft_configured": of("llm_appliance_draft_configured"),
+        "acceptance": of("llm_appliance_speculation_acceptance_ratio"),
+        "drafted": of("llm_appliance_speculation_drafted_tokens_total"),
+        "version_mismatch": of("llm_appliance_version_mismatch"),
+        "version_drift": of("llm_appliance_version_drift"),
+        "restart_budget_exhausted": of("llm_appliance_restart_budget_exhausted"),
+        "unplanned_restarts": of("llm_appliance_restarts_total", 'reason!~"scheduled|manual"'),
     }
-
-
-def _quoted(value: str) -> str:
-    """A double-quoted string that YAML, PromQL and Go read back as `value`: JSON's escapes, plus \\u escapes for
-    what JSON leaves raw and YAML refuses or reads as a line break (DEL, C1 controls, U+2028, U+2029)."""
-    text = json.dumps(value, ensure_ascii=False)
-    return "".join(f"\\u{ord(c):04x}" if unicodedata.category(c) in ("Cc", "Zl", "Zp") else c for c in text)
 
 
 def _in_template(text: str) -> str:
     """Text inside a double-quoted YAML string that Prometheus expands as a Go template (an alert's labels and
     annotations): YAML-escaped, and each "{{" printed by an action of its own rather than opening one."""
-    return _quoted(text.replace("{{", '{{ "{{" }}'))[1:-1]
+    return quoted(text.replace("{{", '{{ "{{" }}'))[1:-1]
 
 
 def duration(seconds: int) -> str:
@@ -204,6 +198,7 @@ FILES = {
     str(SNAPSHOT.relative_to("/")): "appliance.json.j2",
     "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml": "alerts.rules.yml.j2",
     "etc/llm-appliance/rendered/prometheus/scrape.yml": "scrape.yml.j2",
+    "etc/llm-appliance/rendered/grafana/llm-appliance.json": "grafana.json.j2",
     "etc/polkit-1/rules.d/50-llm-appliance.rules": "polkit.rules.j2",
 }
 # Files earlier versions rendered and this one does not: uninstall removes them too.
