@@ -368,6 +368,28 @@ BAD = [
         at="cors_origins =",
     ),
     Case(
+        "alias-with-a-comma",
+        {LOOPBACK: f'{LOOPBACK}\nalias = "qwen, coder"'},
+        "server.alias",
+        "'qwen, coder' cannot name the model: write one name without commas or surrounding spaces, "
+        'e.g. "qwen3-27b-coder"; clients send it as their `model`',
+        at='alias = "qwen, coder"',
+    ),
+    Case(
+        "alias-blank",
+        {LOOPBACK: f'{LOOPBACK}\nalias = " "'},
+        "server.alias",
+        "' ' cannot name the model",
+        at='alias = " "',
+    ),
+    Case(
+        "log-level",
+        {LOOPBACK: f'{LOOPBACK}\nlog_level = "quiet"'},
+        "server.log_level",
+        "'error', 'warning', 'info', 'trace' or 'debug'",
+        at='log_level = "quiet"',
+    ),
+    Case(
         "device-name",
         {'devices = ["CUDA0"]\ngpu_layers = "all"\n#': 'devices = ["cuda:0"]\ngpu_layers = "all"\n#'},
         "models.target.devices",

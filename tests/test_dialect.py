@@ -21,6 +21,7 @@ from appliance.spec.problems import Severity
 
 OLDER_HELP = Path(__file__).parent / "data" / "llama-server-older.help.txt"
 BINARY = "/opt/llm-appliance/engine/bin/llama-server"
+ALIAS = "smollm2-demo"  # what the plan resolves (tests/test_clients.py: from the spec or the GGUF)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,7 @@ def _demo_argv(example: Callable[..., Path], dialect: Dialect, **replace: str) -
     """The demo's argv and its problems; the one warning of a binary without --cors-origins is checked and left
     out (test_older_dialect_cannot_deny_cross_origin_reads says what it is)."""
     spec = load_spec(example("demo.toml", replace or None)).spec
-    argv, problems = build_argv(spec, dialect, BINARY, draft_in_use=True)
+    argv, problems = build_argv(spec, dialect, BINARY, draft_in_use=True, alias=ALIAS)
     found = [f"{p.severity.value} {p.field}: {p.message}" for p in problems]
     if not dialect.accepts("--cors-origins"):
         assert sum(p.startswith(CORS_WARNING) for p in found) == 1, found
@@ -136,6 +137,9 @@ def test_demo_argv_in_the_older_dialect(example: Callable[..., Path], older_dial
     assert _value(argv, "--device-draft") == "none"
     for flag in ["--spec-type", "--fit", "--offline", "--load-mode", "--spec-draft-n-max", "--spec-draft-model"]:
         assert flag not in argv, flag
+    assert _value(argv, "--alias") == ALIAS
+    assert _value(argv, "--log-verbosity") == "2"  # warnings and errors; no per-request lines
+    assert "--no-log-timestamps" not in argv  # unknown there: its stamps stay
     # load_mode mmap is the older binaries' default: no switch at all.
     assert "--mlock" not in argv and "--no-mmap" not in argv
     # The draft's cache is f16, which is all binaries of that era could give it: no -ctkd/-ctvd needed.
@@ -153,6 +157,9 @@ def test_demo_argv_in_the_current_dialect(example: Callable[..., Path], real_dia
     assert _value(argv, "--load-mode") == "mmap"
     assert _value(argv, "--spec-draft-model").endswith("/SmolLM2-135M-Instruct.Q4_1.gguf")
     assert "--offline" in argv
+    assert _value(argv, "--alias") == ALIAS
+    assert _value(argv, "--log-verbosity") == "2"
+    assert "--no-log-timestamps" in argv  # journald stamps each line
     for flag in ["--draft-max", "--draft-min", "--model-draft", "-md", "--mlock", "--no-mmap"]:
         assert flag not in argv, flag
 
@@ -171,14 +178,14 @@ def test_current_dialect_grants_no_origin(example: Callable[..., Path], real_dia
 
 def test_older_dialect_cannot_deny_cross_origin_reads(example: Callable[..., Path], older_dialect: Dialect) -> None:
     spec = load_spec(example("demo.toml")).spec
-    argv, problems = build_argv(spec, older_dialect, BINARY, draft_in_use=True)
+    argv, problems = build_argv(spec, older_dialect, BINARY, draft_in_use=True, alias=ALIAS)
     assert not any(arg.startswith("--cors") for arg in argv)
     assert [(p.severity, p.field) for p in problems] == [(Severity.WARNING, "server.cors_origins")]
     assert "default grants every origin" in problems[0].message
     assert "engine install" in problems[0].fix
     # A spec that names its UI's origin cannot have it there: every origin would be granted.
     widened = load_spec(example("demo.toml", {"threads = 2": 'threads = 2\ncors_origins = ["https://ui.example"]'}))
-    _, problems = build_argv(widened.spec, older_dialect, BINARY, draft_in_use=True)
+    _, problems = build_argv(widened.spec, older_dialect, BINARY, draft_in_use=True, alias=ALIAS)
     assert [(p.severity, p.field) for p in problems] == [(Severity.ERROR, "server.cors_origins")]
     assert "--cors-origins" in problems[0].message
 
@@ -206,7 +213,7 @@ def test_quantized_draft_cache_needs_ctkd(example: Callable[..., Path], older_di
 def test_dialect_without_a_draft_model_flag(example: Callable[..., Path], older_dialect: Dialect) -> None:
     crippled = Dialect(older_dialect.flags - {"-md", "--model-draft"}, "a draftless llama-server")
     spec = load_spec(example("demo.toml")).spec
-    _, problems = build_argv(spec, crippled, BINARY, draft_in_use=True)
+    _, problems = build_argv(spec, crippled, BINARY, draft_in_use=True, alias=ALIAS)
     errors = [p for p in problems if p.severity is Severity.ERROR]
     assert [p.field for p in errors] == ["models.draft.path"]
     assert errors[0].message == "a draftless llama-server accepts none of --spec-draft-model, --model-draft, -md"
@@ -216,7 +223,7 @@ def test_dialect_without_a_draft_model_flag(example: Callable[..., Path], older_
 def test_eagle3_needs_spec_type(example: Callable[..., Path], older_dialect: Dialect) -> None:
     spec = load_spec(example("demo.toml", {'type = "draft-simple"': 'type = "draft-eagle3"'})).spec
     assert spec.speculative.type == "draft-eagle3"
-    _, problems = build_argv(spec, older_dialect, BINARY, draft_in_use=True)
+    _, problems = build_argv(spec, older_dialect, BINARY, draft_in_use=True, alias=ALIAS)
     errors = [p for p in problems if p.severity is Severity.ERROR]
     assert [p.field for p in errors] == ["speculative.type"]
     assert "--spec-type" in errors[0].message

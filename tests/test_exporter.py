@@ -1,5 +1,6 @@
 """The health daemon's Prometheus exposition: series that exist before anything happens, names that
-follow Prometheus conventions, and HELP/TYPE lines compared with a golden file."""
+follow Prometheus conventions, no `_created` series, a unit in every help text, and HELP/TYPE lines compared
+with a golden file. tests/test_clients.py scrapes the same from the exporter of a running `up`."""
 
 from __future__ import annotations
 
@@ -7,27 +8,67 @@ import os
 import re
 from pathlib import Path
 
+import prometheus_client.metrics
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.health.exporter import PREFIX, PROBES, RESTART_REASONS, Metrics
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden" / "exporter-help.txt"
-# prometheus_client adds a `<name>_created` gauge beside each counter unless told not to
-# (PROMETHEUS_DISABLE_CREATED_SERIES); that is the library's, not ours, and left out of the golden.
-CREATED = re.compile(r"^# (HELP|TYPE) \S+_created ")
+# What each help text ends with, in brackets: a base unit, 1/0 for a yes/no gauge, or what a count counts.
+UNITS = {
+    "bytes",
+    "seconds",
+    "Unix time in seconds",
+    "tokens per second",
+    "ratio",
+    "1/0",
+    "tokens",
+    "requests",
+    "windows",
+    "restarts",
+    "errors",
+    "failed probes",
+    "hosts",
+    "info: always 1, the versions are labels",
+}
+# A name's unit suffix and the unit its help must then say.
+SUFFIX_UNITS = {
+    "_timestamp_seconds": "Unix time in seconds",
+    "_tokens_per_second": "tokens per second",
+    "_seconds": "seconds",
+    "_bytes": "bytes",
+    "_ratio": "ratio",
+    "_tokens_total": "tokens",
+    "_info": "info: always 1, the versions are labels",
+}
 
 
 def exposition() -> str:
-    return generate_latest(Metrics(CollectorRegistry()).registry).decode()
+    return generate_latest(Metrics(CollectorRegistry()).exposed).decode()
 
 
 def families() -> dict[str, str]:
     """Family name as exposed (counters with _total, info with _info) -> type."""
-    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", exposition(), re.MULTILINE))
-    return {name: kind for name, kind in types.items() if not (name.endswith("_created") and kind == "gauge")}
+    return dict(re.findall(r"^# TYPE (\S+) (\S+)$", exposition(), re.MULTILINE))
+
+
+def unit_problems(text: str) -> list[str]:
+    """Each HELP line of an exposition whose text does not end with a known unit, or names another than the
+    metric's name does; empty when every one does."""
+    problems = []
+    helps = re.findall(r"^# HELP (\S+) (.*)$", text, re.MULTILINE)
+    for name, help_text in helps:
+        unit = re.search(r"\(([^()]+)\)$", help_text)
+        expected = next((u for suffix, u in SUFFIX_UNITS.items() if name.endswith(suffix)), None)
+        if unit is None or unit.group(1) not in UNITS:
+            problems.append(f"{name}: {help_text!r} ends with no unit of {sorted(UNITS)}")
+        elif expected is not None and unit.group(1) != expected:
+            problems.append(f"{name}: {help_text!r} says {unit.group(1)!r}, its name says {expected!r}")
+    return problems if helps else ["no HELP lines at all"]
 
 
 def sample_value(text: str, name: str, **labels: str) -> float | None:
@@ -131,12 +172,32 @@ def test_two_registries_do_not_collide() -> None:
     assert second.registry.get_sample_value(f"{PREFIX}_restarts_total", {"reason": "decay"}) == 0
 
 
-def help_and_type_lines() -> str:
-    lines = [
-        line
-        for line in exposition().splitlines()
-        if line.startswith(("# HELP ", "# TYPE ")) and not CREATED.match(line)
+def test_no_created_series_whatever_the_library_global_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    # prometheus_client's default (and what a PROMETHEUS_DISABLE_CREATED_SERIES unset, or another module's
+    # enable_created_metrics(), leaves): a `_created` sample for every counter. The exporter serves none.
+    monkeypatch.setattr(prometheus_client.metrics, "_use_created", True)
+    metrics = Metrics(CollectorRegistry())
+    metrics.restarts.labels("decay").inc()
+    assert "_created" in generate_latest(metrics.registry).decode()  # the library's own, unfiltered
+    for text in (generate_latest(metrics.exposed).decode(), generate_openmetrics(metrics.exposed).decode()):
+        assert "_created" not in text
+        assert sample_value(text, f"{PREFIX}_restarts_total", reason="decay") == 1.0
+    restricted = metrics.exposed.restricted_registry([f"{PREFIX}_restarts_total", f"{PREFIX}_restarts_created"])
+    text = generate_latest(restricted).decode()  # /metrics?name[]=...
+    assert "_created" not in text and f"{PREFIX}_restarts_total" in text
+
+
+def test_every_help_text_says_its_unit() -> None:
+    assert unit_problems(exposition()) == []
+    # The check itself catches a help without one, and one at odds with the name.
+    assert unit_problems("# HELP x_bytes GPU memory\n# HELP y_bytes GPU memory (seconds)\n") == [
+        f"x_bytes: 'GPU memory' ends with no unit of {sorted(UNITS)}",
+        "y_bytes: 'GPU memory (seconds)' says 'seconds', its name says 'bytes'",
     ]
+
+
+def help_and_type_lines() -> str:
+    lines = [line for line in exposition().splitlines() if line.startswith(("# HELP ", "# TYPE "))]
     return "\n".join(lines) + "\n"
 
 

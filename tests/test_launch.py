@@ -18,6 +18,7 @@ import pytest
 from conftest import resolved
 
 from appliance.plan.resolved import Endpoint
+from appliance.runtime.launch import _routine_warning
 from appliance.runtime.notify import Notifier
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 
@@ -236,8 +237,82 @@ def test_a_corrupt_model_fails_with_one_clear_line_and_no_orphan(
     lines = [line for line in running.output if "failed to load the model" in line]
     assert len(lines) == 1, running.text()[-3000:]
     assert "exit" in lines[0]
+    # llama-server's own error still reaches the journal at --log-verbosity 2, and the launcher's line names it.
+    assert any(line.startswith("E llama_model_load: error loading model") for line in running.output), running.text()
+    assert "error loading model" in lines[0]
     assert not pid_alive(child)
     assert not any("READY=1" in text for text, _ in running.notify.messages)
+
+
+# Requests whose journal lines are counted: enough that a per-request line would show N times over.
+REQUESTS = 5
+# What llama-server at its default (info) writes per request on the demo: slot selection (2), the timings (5:
+# prompt, eval, total, graphs reused, draft acceptance) and the release; measured 8.
+INFO_LINES_PER_REQUEST = 8
+
+
+def _with_log_level(level: str) -> Callable[[list[str]], list[str]]:
+    def edit(argv: list[str]) -> list[str]:
+        index = argv.index("--log-verbosity")
+        return [*argv[: index + 1], level, *argv[index + 2 :]]
+
+    return edit
+
+
+def _requests_lines(running: Running) -> list[str]:
+    """The lines the launcher relays while REQUESTS short chats run, once the first (and the launcher's
+    "speculation engaged" after it) has been logged. The same prompt each time, as the health daemon's canary
+    sends it: llama-server warns each time that it answers one wholly from its cache."""
+    chat = [{"role": "user", "content": "Say hello."}]
+    running.api.chat(chat, max_tokens=8, temperature=0)
+    running.notify.wait_for("speculation engaged", timeout=20)
+    before = len(running.output)
+    for _ in range(REQUESTS):
+        running.api.chat(chat, max_tokens=8, temperature=0)
+    # llama-server logs from a thread of its own and the launcher relays from another: let both catch up.
+    time.sleep(2.0)
+    return running.output[before:]
+
+
+def test_requests_add_no_journal_lines_while_start_ready_speculation_and_stop_are_logged(
+    launch: Callable[..., Running],
+) -> None:
+    running = launch()
+    running.notify.wait_for("READY=1")
+    added = _requests_lines(running)
+    # llama-server at --log-verbosity 2 writes its warnings and errors only; the routine one of a cached prompt
+    # (two lines per request) is relayed once, with the launcher's note, and then no more.
+    assert len(added) == 2, "".join(added)
+    assert added[0].startswith("W ") and "need to evaluate at least 1 token" in added[0], added[0]
+    assert "not relayed again until it restarts" in added[1], added[1]
+    running.process.send_signal(signal.SIGTERM)
+    assert running.process.wait(timeout=30) == 0
+    time.sleep(0.2)  # the reader thread's last lines
+    text = running.text()
+    for line in ("started llama-server (pid", "llama-server is ready after", "speculation engaged: ", "stopped"):
+        assert sum(line in out for out in running.output) == 1, f"{line!r} not logged once:\n{text}"
+    assert "print_timing" not in text
+
+
+def test_only_llama_servers_routine_warnings_are_held_back() -> None:
+    cached = "W slot   operator(): id  0 | task 33 | n_past was set to 32\n"
+    assert _routine_warning(cached) == "prompt answered wholly from its cache"
+    for line in (
+        "E slot   operator(): id  0 | task 33 | n_past was set to 32\n",  # an error is never routine
+        "W slot update_slots: id  0 | task 9 | slot context shift, n_keep = 0, n_left = 4094, n_discard = 2047\n",
+        "W srv  try_clear_id: purging slot 0 with 4000 tokens\n",
+        "n_past was set to 32\n",
+    ):
+        assert _routine_warning(line) is None, line
+
+
+def test_at_info_each_request_writes_its_timings(launch: Callable[..., Running]) -> None:
+    """What the default log level spares the journal (and that the count above would see it)."""
+    running = launch(_with_log_level("3"))
+    running.notify.wait_for("READY=1")
+    added = _requests_lines(running)
+    assert len(added) >= REQUESTS * INFO_LINES_PER_REQUEST, "".join(added)
+    assert sum("print_timing" in line for line in added) == REQUESTS * 5, "".join(added)
 
 
 def test_a_killed_launcher_takes_llama_server_with_it(launch: Callable[..., Running]) -> None:

@@ -64,6 +64,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             f"draft:  {plan.draft.path} ({plan.draft.architecture}, {plan.draft.file_type}, {plan.draft.block_count} layers)"
         )
     print(f"dialect: {result.facts.dialect.source}")
+    print(f"model name in the API (clients send it as `model`): {plan.alias}")
     print("\nllama-server argv:")
     print("  " + " \\\n    ".join(_pairs(plan.argv)))
     print("\nmemory budget:")

@@ -1,7 +1,8 @@
 """The health daemon's Prometheus metrics, on a registry of its own.
 
 Labelled series that alerts depend on are created at start, so they exist at zero before anything
-happens (an alert on `increase(...restarts_total[6h])` needs the series to exist).
+happens (an alert on `increase(...restarts_total[6h])` needs the series to exist). Every help text ends with
+the metric's unit in brackets: "(bytes)", "(seconds)", "(tokens per second)", "(ratio)", "(1/0)", a count.
 """
 
 from __future__ import annotations
@@ -16,15 +17,46 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 from prometheus_client.exposition import make_wsgi_app
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import RestrictedRegistry
 
 PREFIX = "llm_appliance"
 RESTART_REASONS = ("decay", "creep", "headroom", "hang", "not_on_gpu", "scheduled", "manual")
 PROBES = ("health", "metrics", "slots", "nvml", "canary", "unit", "check")  # "check": an unexpected error
 
 
+# prometheus_client adds a `<name>_created` sample (the Unix time the series was made) to these families unless
+# told not to; the Prometheus text format turns it into a gauge series of its own beside every counter.
+_CREATED_FAMILIES = ("counter", "histogram", "summary")
+
+
+class WithoutCreated:
+    """A registry as the exporter serves it: no `_created` series. Filtered here, at the exposition, rather than
+    with prometheus_client's disable_created_metrics() or PROMETHEUS_DISABLE_CREATED_SERIES: both set one global
+    read when a series is collected, so whether they hold would depend on who imported or called what first."""
+
+    def __init__(self, registry: CollectorRegistry | RestrictedRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in self._registry.collect():
+            if metric.type not in _CREATED_FAMILIES:
+                yield metric
+                continue
+            clean = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            clean.samples = [s for s in metric.samples if s.name != f"{metric.name}_created"]
+            yield clean
+
+    def restricted_registry(self, names: Iterable[str]) -> WithoutCreated:
+        """What `/metrics?name[]=...` asks for (prometheus_client's exposition calls this)."""
+        assert isinstance(self._registry, CollectorRegistry)
+        return WithoutCreated(self._registry.restricted_registry(names))
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        self.exposed = WithoutCreated(r)  # what /metrics serves
 
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
             return Gauge(f"{PREFIX}_{name}", doc, labels, registry=r)
@@ -32,56 +64,76 @@ class Metrics:
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(f"{PREFIX}_{name}", doc, labels, registry=r)
 
-        self.server_up = gauge("server_up", "1 when llama-server answers /health with 200")
-        self.unit_active = gauge("server_unit_active", "1 when the server unit (or the launcher of `up`) is active")
-        self.requests_processing = gauge("requests_processing", "Requests llama-server is processing")
+        self.server_up = gauge("server_up", "Whether llama-server answers /health with 200 (1/0)")
+        self.unit_active = gauge(
+            "server_unit_active", "Whether the server unit (or the launcher of `up`) is active (1/0)"
+        )
+        self.requests_processing = gauge("requests_processing", "Requests llama-server is processing (requests)")
         self.decode_tps = gauge(
-            "decode_tokens_per_second", "Median decode rate of recent windows, by context bucket", ("bucket",)
+            "decode_tokens_per_second",
+            "Median decode rate of recent windows, by context bucket (tokens per second)",
+            ("bucket",),
         )
         self.decode_baseline = gauge(
-            "decode_baseline_tokens_per_second", "Decode rate baseline, by context bucket", ("bucket",)
+            "decode_baseline_tokens_per_second",
+            "Decode rate baseline, by context bucket (tokens per second)",
+            ("bucket",),
         )
         self.decay_breaches = gauge(
-            "decode_decay_breaches", "Consecutive windows below decay_ratio x baseline", ("bucket",)
+            "decode_decay_breaches",
+            "Consecutive windows below decay_ratio x baseline, by context bucket (windows)",
+            ("bucket",),
         )
-        self.draft_configured = gauge("draft_configured", "1 when the spec configures a draft model")
+        self.draft_configured = gauge("draft_configured", "Whether the spec configures a draft model (1/0)")
         self.speculation_engaged = gauge(
-            "speculation_engaged", "1 while drafts are being made (or nothing was generated yet)"
+            "speculation_engaged", "Whether drafts are being made, or nothing was generated yet (1/0)"
         )
         self.acceptance = gauge(
-            "speculation_acceptance_ratio", "Accepted / drafted tokens in the last window with drafts"
+            "speculation_acceptance_ratio", "Accepted / drafted tokens in the last window with drafts (ratio)"
         )
-        self.drafted = counter("speculation_drafted_tokens", "Draft tokens proposed, as counted by llama-server")
-        self.accepted = counter("speculation_accepted_tokens", "Draft tokens accepted by the target")
-        self.gpu_total = gauge("gpu_memory_total_bytes", "GPU memory, total", ("device",))
-        self.gpu_used = gauge("gpu_memory_used_bytes", "GPU memory, used", ("device",))
-        self.gpu_free = gauge("gpu_memory_free_bytes", "GPU memory, free", ("device",))
-        self.gpu_visible = gauge("gpu_visible", "1 when NVML can be read")
-        self.xid_errors = counter("gpu_xid_errors", "Critical XID errors reported by NVML", ("device",))
-        self.server_vram = gauge("server_vram_bytes", "GPU memory held by the llama-server process")
-        self.server_vram_baseline = gauge("server_vram_baseline_bytes", "Server VRAM after warm-up")
-        self.creep = gauge("server_vram_creep_ratio", "Server VRAM / its post-warm-up baseline - 1")
-        self.server_on_gpu = gauge("server_on_gpu", "1 when the server process holds GPU memory (GPU specs only)")
-        self.version = Info(f"{PREFIX}_version", "Driver, CUDA and llama.cpp versions in use", registry=r)
-        self.version_mismatch = gauge("version_mismatch", "1 when a version differs from the spec's pins")
-        self.version_drift = gauge("version_drift", "1 when versions changed since the baseline was measured")
-        self.restarts = counter("restarts", "Server restarts by the appliance, by reason", ("reason",))
-        self.last_restart = gauge("last_restart_timestamp_seconds", "Unix time of the last restart by the appliance")
+        self.drafted = counter(
+            "speculation_drafted_tokens", "Draft tokens proposed, as counted by llama-server (tokens)"
+        )
+        self.accepted = counter("speculation_accepted_tokens", "Draft tokens accepted by the target (tokens)")
+        self.gpu_total = gauge("gpu_memory_total_bytes", "GPU memory, total, by device (bytes)", ("device",))
+        self.gpu_used = gauge("gpu_memory_used_bytes", "GPU memory, used, by device (bytes)", ("device",))
+        self.gpu_free = gauge("gpu_memory_free_bytes", "GPU memory, free, by device (bytes)", ("device",))
+        self.gpu_visible = gauge("gpu_visible", "Whether NVML can be read (1/0)")
+        self.xid_errors = counter(
+            "gpu_xid_errors", "Critical XID errors reported by NVML, by device (errors)", ("device",)
+        )
+        self.server_vram = gauge("server_vram_bytes", "GPU memory held by the llama-server process (bytes)")
+        self.server_vram_baseline = gauge(
+            "server_vram_baseline_bytes", "GPU memory held by the llama-server process after warm-up (bytes)"
+        )
+        self.creep = gauge("server_vram_creep_ratio", "Server VRAM / its post-warm-up baseline - 1 (ratio)")
+        self.server_on_gpu = gauge("server_on_gpu", "Whether the server process holds GPU memory, GPU specs only (1/0)")
+        self.version = Info(
+            f"{PREFIX}_version",
+            "Driver, CUDA, llama.cpp and llama-cpp-python versions in use (info: always 1, the versions are labels)",
+            registry=r,
+        )
+        self.version_mismatch = gauge("version_mismatch", "Whether a version differs from the spec's pins (1/0)")
+        self.version_drift = gauge("version_drift", "Whether versions changed since the baseline was measured (1/0)")
+        self.restarts = counter("restarts", "Server restarts by the appliance, by reason (restarts)", ("reason",))
+        self.last_restart = gauge(
+            "last_restart_timestamp_seconds", "Time of the last restart by the appliance (Unix time in seconds)"
+        )
         self.restart_budget_exhausted = gauge(
-            "restart_budget_exhausted", "1 when max_per_hour was reached and restarts stopped"
+            "restart_budget_exhausted", "Whether max_per_hour was reached and restarts stopped (1/0)"
         )
-        self.restart_pending = gauge("restart_pending", "1 while a wanted restart waits for idle or the cooldown")
-        self.ready = gauge("ready", "1 when /ready answers 200: llama-server is up and not draining")
-        self.draining = gauge("draining", "1 while the daemon keeps new requests away before a restart")
+        self.restart_pending = gauge("restart_pending", "Whether a wanted restart waits for idle or the cooldown (1/0)")
+        self.ready = gauge("ready", "Whether /ready answers 200: llama-server is up and not draining (1/0)")
+        self.draining = gauge("draining", "Whether the daemon keeps new requests away before a restart (1/0)")
         self.peers_ready = gauge(
-            "fleet_peers_ready", "The fleet's other hosts that answered /ready with 200, last read"
+            "fleet_peers_ready", "The fleet's other hosts that answered /ready with 200, last read (hosts)"
         )
         self.fleet_decay = gauge(
             "fleet_decay",
-            "1 while most of the fleet decays at once: restarts for decay held (a driver or CUDA change?)",
+            "Whether most of the fleet decays at once, so restarts for decay are held: a driver or CUDA change? (1/0)",
         )
-        self.check_duration = gauge("check_duration_seconds", "Duration of the last health check")
-        self.probe_errors = counter("probe_errors", "Probes that failed, by probe", ("probe",))
+        self.check_duration = gauge("check_duration_seconds", "Duration of the last health check (seconds)")
+        self.probe_errors = counter("probe_errors", "Probes that failed, by probe (failed probes)", ("probe",))
         for reason in RESTART_REASONS:
             self.restarts.labels(reason)
         for probe in PROBES:
@@ -170,7 +222,7 @@ class _QuietHandler(WSGIRequestHandler):
 
 def app(metrics: Metrics, readiness: Readiness) -> Callable[..., Iterable[bytes]]:
     """/ready for balancers; everything else is the Prometheus exposition, as before."""
-    exposition = make_wsgi_app(metrics.registry)
+    exposition = make_wsgi_app(metrics.exposed)
 
     def route(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("PATH_INFO") != "/ready":

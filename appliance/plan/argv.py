@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from appliance.facts.dialect import REMOVED, SPELLINGS, Dialect
-from appliance.spec.model import Spec
+from appliance.spec.model import LogLevel, Spec
 from appliance.spec.problems import Problem, error, warning
 
 
@@ -28,11 +28,19 @@ class _Argv:
             )
 
 
-def build_argv(spec: Spec, dialect: Dialect, binary: str, draft_in_use: bool) -> tuple[tuple[str, ...], list[Problem]]:
-    """The llama-server command line in the binary's own dialect, grouped: serving, model, draft."""
+# llama-server's --log-verbosity thresholds (common/log.h LOG_LEVEL_*): a message is printed when its level's
+# number is at most the threshold.
+LOG_VERBOSITY: dict[LogLevel, int] = {"error": 1, "warning": 2, "info": 3, "trace": 4, "debug": 5}
+
+
+def build_argv(
+    spec: Spec, dialect: Dialect, binary: str, draft_in_use: bool, alias: str
+) -> tuple[tuple[str, ...], list[Problem]]:
+    """The llama-server command line in the binary's own dialect, grouped: serving, model, draft. `alias` is
+    the model's name in the API, resolved by the plan (the spec's, else the target's own)."""
     argv = _Argv(binary, dialect)
     _serving_flags(argv, spec)
-    _model_flags(argv, spec)
+    _model_flags(argv, spec, alias)
     _speculative_flags(argv, spec, draft_in_use)
     problems = argv.problems + _extra_arg_problems(spec.server.extra_args, argv.args, dialect)
     return (*argv.args, *spec.server.extra_args), problems
@@ -49,6 +57,16 @@ def _serving_flags(argv: _Argv, spec: Spec) -> None:
     _cors_flags(argv, spec)
     flag("offline", "server", required=False)  # no model fetching at run time
     flag("fit", "memory", "off", required=False)  # the memory plan is ours, not an automatic refit
+    _log_flags(argv, spec)
+
+
+def _log_flags(argv: _Argv, spec: Spec) -> None:
+    """What llama-server writes to the journal. At its default (info) every request adds about eight lines
+    (slot selection, five timing lines, release), so a day of traffic buries its warnings and errors; the
+    launcher logs start, ready, speculation, stop and failures itself. Binaries without -lv log at their default."""
+    argv.flag("log_verbosity", "server.log_level", str(LOG_VERBOSITY[spec.server.log_level]), required=False)
+    # journald stamps every line; llama-server's own stamps count minutes since its start.
+    argv.flag("no_log_timestamps", "server.log_level", required=False)
 
 
 def _cors_flags(argv: _Argv, spec: Spec) -> None:
@@ -70,9 +88,10 @@ def _cors_flags(argv: _Argv, spec: Spec) -> None:
     argv.flag("no_cors_credentials", "server.cors_origins", required=False)
 
 
-def _model_flags(argv: _Argv, spec: Spec) -> None:
+def _model_flags(argv: _Argv, spec: Spec, alias: str) -> None:
     flag, server, target = argv.flag, spec.server, spec.models.target
     flag("model", "models.target.path", str(target.path))
+    flag("alias", "server.alias", alias)
     flag("ctx_size", "server.ctx_size", str(server.ctx_size))
     flag("parallel", "server.parallel", str(server.parallel))
     if server.threads:

@@ -16,7 +16,7 @@ from appliance.plan.devices import draft_devices, draft_in_use, gpu_devices, off
 from appliance.plan.fit import largest_fits
 from appliance.plan.host import HOST, host_budget
 from appliance.plan.sandbox import Sandbox
-from appliance.spec.model import Spec
+from appliance.spec.model import Spec, line_breaks
 from appliance.spec.problems import Problem, warning
 
 
@@ -32,9 +32,26 @@ class Plan:
     host: DeviceBudget | None = None  # host RAM; None when the machine's RAM is unknown
 
     @property
+    def alias(self) -> str:
+        """The model's name in the API: what /v1/models lists, every response names and clients send."""
+        return served_name(self.spec, self.target)
+
+    @property
     def speculation(self) -> bool:
         """The server will draft: the draft model's file was read and the spec drafts with it."""
         return self.draft is not None and draft_in_use(self.spec)
+
+
+def served_name(spec: Spec, target: ModelInfo) -> str:
+    """`server.alias`, else the target's GGUF general.name, else its file stem. Without --alias llama-server
+    names the model by its path (/var/lib/llm-appliance/models/....gguf), which no IDE client shows well."""
+    if spec.server.alias:
+        return spec.server.alias
+    name = str(target.metadata.get("general.name", "")).strip()
+    # llama-server splits --alias at commas; a general.name with one (or a line break) names nothing clean.
+    if name and "," not in name and not line_breaks(name):
+        return name
+    return target.path.stem.replace(",", "_")
 
 
 def model_problems(spec: Spec, target: ModelInfo, draft: ModelInfo | None) -> list[Problem]:
@@ -83,7 +100,9 @@ def model_problems(spec: Spec, target: ModelInfo, draft: ModelInfo | None) -> li
 
 def plan(spec: Spec, facts: MachineFacts, target: ModelInfo, draft: ModelInfo | None) -> Plan:
     binary = str(facts.binary) if facts.binary else spec.server.binary
-    argv, found = build_argv(spec, facts.dialect, binary, draft is not None and draft_in_use(spec))
+    argv, found = build_argv(
+        spec, facts.dialect, binary, draft is not None and draft_in_use(spec), served_name(spec, target)
+    )
     device_budgets, budget_problems, _ = budgets(spec, facts, target, draft)
     found += budget_problems
     found += model_problems(spec, target, draft)

@@ -30,6 +30,7 @@ def plan_json(plan: Plan, fits: list[DeviceFit], warnings: list[Problem]) -> dic
     devices = [*plan.budgets, *([plan.host] if plan.host else [])]
     return {
         "argv": list(plan.argv),
+        "alias": plan.alias,
         "ctx_size": plan.spec.server.ctx_size,
         "parallel": plan.spec.server.parallel,
         "ctx_cap": fits[0].ctx_cap if fits else None,

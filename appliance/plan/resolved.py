@@ -78,6 +78,7 @@ class Appliance:
     spec_file: Path  # where apply installs the spec; the units and alerts name it
     binary: str
     argv: tuple[str, ...]
+    alias: str  # the model's name in the API (--alias): what clients send as `model`
     server: Endpoint
     exporter: Endpoint
     api_key_file: Path | None
@@ -130,6 +131,7 @@ class Appliance:
             "resolved": {
                 "binary": self.binary,
                 "argv": list(self.argv),
+                "alias": self.alias,
                 "server": {"host": self.server.host, "port": self.server.port},
                 "exporter": {"host": self.exporter.host, "port": self.exporter.port},
                 "api_key_file": str(self.api_key_file) if self.api_key_file else None,
@@ -158,11 +160,14 @@ class Appliance:
             raise ValueError(f"snapshot version {document.get('snapshot_version')!r}, expected {SNAPSHOT_VERSION}")
         r = document["resolved"]
         key, scrape_key = r["api_key_file"], r.get("scrape_key_file")
+        spec = Spec.model_validate(document["spec"], strict=False)
         return cls(
-            spec=Spec.model_validate(document["spec"], strict=False),
+            spec=spec,
             spec_file=Path(document["spec_file"]),
             binary=str(r["binary"]),
             argv=tuple(str(a) for a in r["argv"]),
+            # Applied before --alias: llama-server named the model by its path.
+            alias=str(r.get("alias", spec.models.target.path)),
             server=Endpoint(str(r["server"]["host"]), int(r["server"]["port"])),
             exporter=Endpoint(str(r["exporter"]["host"]), int(r["exporter"]["port"])),
             api_key_file=Path(key) if key else None,
@@ -209,6 +214,7 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
         spec_file=spec_file,
         binary=plan.argv[0],
         argv=plan.argv,
+        alias=plan.alias,
         server=Endpoint(spec.server.host, spec.server.port),
         exporter=Endpoint(spec.prometheus.host, spec.prometheus.port),
         api_key_file=spec.server.api_key_file,

@@ -31,6 +31,16 @@ EXIT_LOAD_FAILED = 1
 EXIT_DIED = 1
 PR_SET_PDEATHSIG = 1
 ERROR_WORDS = ("error", "failed", "unable", "invalid", "cannot", "not found")
+# Warnings llama-server writes in the course of ordinary requests (server-context.cpp), each by itself no news
+# to an admin: the first of each kind per start is relayed with a note, the rest only kept for a failure's
+# explanation. Fragment of the line -> what it means. Every other line is relayed as it comes.
+ROUTINE_WARNINGS = {
+    # a prompt the slot holds whole (the health canary's fixed prompt, a client's retry): one token is re-evaluated
+    "need to evaluate at least 1 token for each active slot": "prompt answered wholly from its cache",
+    "n_past was set to": "prompt answered wholly from its cache",
+    # sliding-window and recurrent models keep a few checkpoints of a long conversation, the oldest dropped
+    "erasing old context checkpoint": "context checkpoint dropped from a long conversation",
+}
 
 
 @dataclass(frozen=True)
@@ -129,12 +139,23 @@ class Launcher:
         return None
 
     def _relay_output(self, child: Popen[str]) -> None:
-        """llama-server's output goes on to the journal; the tail is kept to explain a failure."""
+        """llama-server's output goes on to the journal, but for routine warnings after their first; the tail
+        keeps every line to explain a failure."""
         assert child.stdout is not None
+        seen: set[str] = set()
         for line in child.stdout:
             self.tail.append(line.rstrip("\n"))
+            meaning = _routine_warning(line)
+            if meaning in seen:
+                continue
             sys.stderr.write(line)
             sys.stderr.flush()
+            if meaning is not None:
+                seen.add(meaning)
+                log.info(
+                    "llama-server warns so at every %s: routine, not relayed again until it restarts",
+                    meaning,
+                )
 
     def _wait_until_ready(self) -> int | None:
         while True:
@@ -255,6 +276,14 @@ class Launcher:
                 log.warning("llama-server ignored SIGTERM for %.0f s; killing it", self.stop_timeout)
                 self.child.kill()
                 self.child.wait()
+
+
+def _routine_warning(line: str) -> str | None:
+    """What a routine llama-server warning means, or None for any other line (llama-server prefixes its
+    warnings with "W ")."""
+    if not line.startswith("W "):
+        return None
+    return next((meaning for fragment, meaning in ROUTINE_WARNINGS.items() if fragment in line), None)
 
 
 def _describe(code: int) -> str:

@@ -72,11 +72,26 @@ def _address(value: str) -> str:
     return value
 
 
+def _alias(value: str) -> str:
+    # llama-server splits --alias at commas and strips each part; its API then names the model by the first
+    # alias in sorted order, so a comma would quietly name the model something else.
+    if not value.strip() or value != value.strip() or "," in value:
+        raise ValueError(
+            f"{value!r} cannot name the model: write one name without commas or surrounding spaces, "
+            'e.g. "qwen3-27b-coder"; clients send it as their `model`'
+        )
+    return value
+
+
+LogLevel = Literal["error", "warning", "info", "trace", "debug"]
+
+
 # Free-form text that reaches a rendered file (a unit, the ruleset, YAML): one printable line, checked where it
 # enters the model. TOML strings become paths; every other value must already have its TOML type (strict below).
 Line = Annotated[str, AfterValidator(_one_line)]
 FilePath = Annotated[Path, Field(strict=False), AfterValidator(_one_line_path)]
 Address = Annotated[str, AfterValidator(_address)]
+Alias = Annotated[str, AfterValidator(_one_line), AfterValidator(_alias)]
 
 
 class Strict(BaseModel):
@@ -99,6 +114,9 @@ class Server(Strict):
     binary: Line = DEFAULT_BINARY
     host: Address = "127.0.0.1"
     port: Annotated[int, Field(ge=1, le=65535)] = 8080
+    # The model's name in the API (/v1/models, every response): what a client sends as `model`. Default: the
+    # target's GGUF general.name, else its file stem (resolved in plan/plan.py).
+    alias: Alias | None = None
     api_key_file: FilePath | None = None
     # Web pages (origins) a browser may let read the API; none by default (see _origins).
     cors_origins: list[str] = []
@@ -110,6 +128,9 @@ class Server(Strict):
     flash_attn: Literal["auto", "on", "off"] = "auto"
     load_mode: Literal["auto", "none", "mmap", "mlock", "mmap+mlock", "dio"] = "mmap"
     sampling: Sampling = Sampling()
+    # llama-server's own log threshold. "warning": the journal keeps its warnings and errors, not the ~8 info
+    # lines it writes per request (timings, slot selection); "info" brings those back when debugging.
+    log_level: LogLevel = "warning"
     extra_args: list[str] = []
 
     @field_validator("cors_origins")
