@@ -243,12 +243,12 @@ BAD = [
     ),
     Case(
         # pydantic names union branches "float", "int", ...: a key so named is still the user's key.
-        "key-named-float",
-        {FIRST_LINE: f"float = 1\n{FIRST_LINE}"},
-        "float",
+        "key-named-int",
+        {FIRST_LINE: f"int = 1\n{FIRST_LINE}"},
+        "int",
         "unknown key",
-        "known keys here: health, memory, models",
-        "float = 1",
+        "known keys here: fleet, health, memory, models",
+        "int = 1",
     ),
     Case(
         "table-typo",
