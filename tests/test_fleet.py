@@ -314,3 +314,12 @@ def test_the_fleet_alerts_fire_when_they_should(
 ) -> None:
     # A gone host's series goes stale 5 minutes after its last sample; the alert then waits the example's 300 s.
     _fleet_alerts(rendered / "prometheus/rules/fleet.rules.yml", tmp_path, series, "12m", firing)
+
+
+def test_hosts_serving_the_model_under_different_names_are_warned_of(
+    fleet_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet_file.write_text(fleet_file.read_text().replace("threads = 4", 'threads = 4\nalias = "other-name"'))
+    assert main(["fleet", "render", str(fleet_file), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: hosts[2].overrides.server.alias: host demo-3 serves its model as 'other-name'" in err, err

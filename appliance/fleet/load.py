@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -31,7 +31,9 @@ class LoadedFleet:
     key_lines: KeyLines
 
     def locate(self, problem: Problem) -> Problem:
-        return locate(problem, self.path, self.key_lines)
+        """`problem` at its line of the fleet file, its field as the user reads it (hosts[2], not hosts.2)."""
+        located = locate(problem, self.path, self.key_lines)
+        return replace(located, field=re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", located.field))
 
     def spec_of(self, host: Host) -> Path:
         """The host's spec file: its own or the shared one, relative to the fleet file."""

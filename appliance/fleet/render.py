@@ -21,7 +21,7 @@ from appliance.plan.resolved import Appliance, resolve
 from appliance.plan.validate import validate_loaded
 from appliance.render.apply import installed_spec_path
 from appliance.render.render import duration, render, template
-from appliance.spec.problems import Problem, Severity, SpecInvalid, error
+from appliance.spec.problems import Problem, Severity, SpecInvalid, error, warning
 
 HAPROXY_CFG = "balancer/etc/haproxy/haproxy.cfg"
 PROMETHEUS = "prometheus"
@@ -53,7 +53,7 @@ def hosts(fleet: LoadedFleet, facts: MachineFacts | None = None) -> tuple[list[F
             continue
         found += [derived.locate(p) for p in validated.warnings]
         done.append(FleetHost(derived, resolve(validated.plan, installed_spec_path(derived.source))))
-    found += [fleet.locate(p) for p in _endpoint_problems(done, fleet)]
+    found += [fleet.locate(p) for p in _endpoint_problems(done, fleet) + _alias_problems(done, fleet)]
     if any(p.severity is Severity.ERROR for p in found):
         raise SpecInvalid(found)
     return done, found
@@ -76,6 +76,24 @@ def _endpoint_problems(done: list[FleetHost], fleet: LoadedFleet) -> list[Proble
         for h in done
         for endpoint in (h.appliance.server, h.appliance.exporter)
         if seen[endpoint.address] > 1
+    ]
+
+
+def _alias_problems(done: list[FleetHost], fleet: LoadedFleet) -> list[Problem]:
+    """Behind one balancer every host should answer to one model name: a client asks for the name it listed."""
+    names = Counter(h.appliance.alias for h in done)
+    if len(names) < 2:
+        return []
+    common = names.most_common(1)[0][0]
+    return [
+        warning(
+            f"hosts.{fleet.index(h.spec.host)}.overrides.server.alias",
+            f"host {h.name} serves its model as {h.appliance.alias!r}, the others as {common!r}: a client of the "
+            "balancer sees the name change from one request to the next",
+            f'set server.alias = "{common}" for every host (fleet.overrides.server)',
+        )
+        for h in done
+        if h.appliance.alias != common
     ]
 
 
