@@ -525,7 +525,7 @@ class Fleet:
         status, body = self.client.call(http_get, self.hosts[name].ready_url, 1.0, timeout=6)
         return f"{status} {body.strip()}"
 
-    def wait_host_ready(self, name: str, seconds: float = START_SECONDS) -> None:
+    def wait_host_ready(self, name: str, seconds: float = START_SECONDS, quiet: bool = False) -> None:
         host = self.hosts[name]
 
         def ready() -> bool:
@@ -536,16 +536,17 @@ class Fleet:
         wait_until(
             ready, seconds, lambda: f"{name}'s /ready to answer 200 ({self.ready_body(name)})\n{self.timeline()}"
         )
-        self.say(f"{name}: /ready 200 (llama-server pid {host.server_pid()})")
+        if not quiet:
+            self.say(f"{name}: /ready 200 (llama-server pid {host.server_pid()})")
 
     def ensure_whole(self) -> None:
         """Every host's `up` running and ready, HAProxy with all of them UP: a scenario that stopped one restores it."""
-        for host in self.hosts.values():
-            if host.up is None or not host.up.alive():
-                self.start_host(host.name, wait=False)
-        for host in self.hosts.values():
-            self.wait_host_ready(host.name)
-        self.wait_balancer(set(self.hosts))
+        stopped = [h.name for h in self.hosts.values() if h.up is None or not h.up.alive()]
+        for name in stopped:
+            self.start_host(name, wait=False)
+        for name in self.hosts:
+            self.wait_host_ready(name, quiet=name not in stopped)
+        self.wait_balancer(set(self.hosts), quiet=not stopped)
 
     # -- HAProxy --
 
@@ -592,7 +593,7 @@ class Fleet:
             errors,
         )
 
-    def wait_balancer(self, up: set[str], seconds: float = 60.0) -> None:
+    def wait_balancer(self, up: set[str], seconds: float = 60.0, quiet: bool = False) -> None:
         """Until HAProxy has exactly these servers UP."""
         wait_until(
             lambda: self.servers_up() == up,
@@ -600,7 +601,8 @@ class Fleet:
             lambda: f"HAProxy to have {sorted(up)} UP (has {sorted(self.servers_up())})\n{self.timeline()}",
             poll=0.2,
         )
-        self.say(f"HAProxy: {', '.join(sorted(up)) or 'no server'} UP")
+        if not quiet:
+            self.say(f"HAProxy: {', '.join(sorted(up)) or 'no server'} UP")
 
     def haproxy_log(self, text: str = "") -> list[str]:
         return [line for line in list(self.haproxy.lines if self.haproxy else []) if text in line]
