@@ -394,7 +394,10 @@ class Fleet:
 
     def say(self, what: str) -> None:
         """One line of the timeline: printed (pytest -s shows it) and kept for failure messages."""
-        line = f"{time.monotonic() - self.started:7.1f} s  {what}"
+        # The wall clock too: HAProxy's and the hosts' logs carry it.
+        now = time.time()
+        clock = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+        line = f"{time.monotonic() - self.started:7.1f} s {clock}  {what}"
         self.events.append(line)
         print(line, flush=True)
 

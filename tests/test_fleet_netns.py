@@ -11,6 +11,7 @@ bench/fleet.py runs the same scenarios with more load and prints a table.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +35,9 @@ ALERT_SECONDS = 60.0  # a scrape, an evaluation (1 s each) and `for: 0s`, many t
 
 
 @pytest.fixture(scope="module")
-def whole_fleet(outside_tmp: Path, fixture_models: Path, engine_binary: Path) -> Iterator[Fleet]:
+def whole_fleet(
+    outside_tmp: Path, fixture_models: Path, engine_binary: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
     missing = missing_tools()
     if missing:
         pytest.skip(
@@ -45,8 +48,17 @@ def whole_fleet(outside_tmp: Path, fixture_models: Path, engine_binary: Path) ->
     # In /var/lib, not pytest's 0700 /tmp directories: the service user must reach the API key file.
     work = outside_tmp / "fleet"
     work.mkdir(mode=0o755)
-    with Fleet(work, fixture_models) as fleet:
-        yield fleet
+    try:
+        with Fleet(work, fixture_models) as fleet:
+            yield fleet
+    finally:
+        # outside_tmp goes at the end of the session; pytest keeps its own directories for a while.
+        kept = tmp_path_factory.mktemp("fleet-logs")
+        shutil.copytree(work / "logs", kept, dirs_exist_ok=True)
+        for name in ("fleet.toml", "out/balancer/etc/haproxy/haproxy.cfg"):
+            if (work / name).exists():
+                shutil.copy(work / name, kept)
+        print(f"\nthe fleet's logs (every host's `up`, HAProxy's requests, Prometheus) and its files: {kept}")
 
 
 @pytest.fixture
