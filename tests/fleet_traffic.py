@@ -448,7 +448,7 @@ def _baseline(fleet: Fleet, name: str) -> float:
 @contextmanager
 def throttled(pid: int, stopped: float = 0.2, running: float = 0.02) -> Iterator[None]:
     """The process stopped `stopped` of every `stopped + running` seconds (SIGSTOP/SIGCONT) until the block ends
-    or the process is gone: its decode rate falls to a tenth while /health still answers."""
+    or the process is gone: its decode rate falls to a tenth (by default) while /health still answers."""
     done = threading.Event()
 
     def bursts() -> None:
@@ -473,7 +473,9 @@ def throttled(pid: int, stopped: float = 0.2, running: float = 0.02) -> Iterator
 
 
 def induced_decay(fleet: Fleet, load: Load, monitor: ReadyMonitor) -> dict[str, Any]:
-    """DECAY_HOST's llama-server throttled under load until its daemon restarts it for decay."""
+    """DECAY_HOST's llama-server throttled under load until its daemon restarts it for decay. To a fifth of its
+    speed: far below decay_ratio (0.5) x its baseline, yet each request (each window of the daemon's, as
+    llama-server counts tokens when a request ends) done in a few seconds."""
     host = fleet.hosts[DECAY_HOST]
     wait_until(
         lambda: _baseline(fleet, DECAY_HOST) > 0,
@@ -486,7 +488,7 @@ def induced_decay(fleet: Fleet, load: Load, monitor: ReadyMonitor) -> dict[str, 
     pid = host.server_pid()
     fleet.say(f"{DECAY_HOST}: baseline {baseline:.0f} tok/s; throttling llama-server (pid {pid})")
     throttled_at = time.monotonic()
-    with throttled(pid):
+    with throttled(pid, stopped=0.12, running=0.03):
         wait_until(
             lambda: host.restart_totals().get("decay", 0) > before and host.server_pid() != pid,
             EVENT_SECONDS,

@@ -25,8 +25,9 @@ pytestmark = [pytest.mark.fleet, pytest.mark.system, pytest.mark.engine]
 # host is busy when something happens to it; short generations, bounded in count and time.
 LOAD = LoadShape(workers=3, max_requests=600, max_seconds=240, max_tokens=16)
 # The daemon's decode windows come from llama-server's counters, which count a request's tokens when it ends: a
-# throttled host yields one window per completed request, so shorter requests see the decay sooner.
-DECAY_LOAD = LoadShape(workers=3, max_requests=600, max_seconds=240, max_tokens=8)
+# throttled host yields about one window per completed request, and a window of fewer than 16 tokens sets no
+# rate (health/daemon.py, MIN_RATE_TOKENS): each request asks for a few more, in case one ends early.
+DECAY_LOAD = LoadShape(workers=3, max_requests=600, max_seconds=240, max_tokens=20)
 SLOTS_PER_HOST = 1  # demo.toml's server.parallel
 JOBS = ("llm-appliance-health", "llm-appliance-llama-server")
 BALANCER_JOB = "llm-appliance-haproxy"
