@@ -14,8 +14,8 @@ unless --keep, which prints where the logs are).
 
 - failed: no response began (a connection error, or HAProxy's 503 when its retries were spent);
 - cut: a response began and ended before `data: [DONE]` (a generation lost mid-stream);
-- retried: HAProxy's own connection retries (haproxy_backend_retry_warnings_total), which include retries
-  of requests sent on an idle keep-alive connection the server had just closed.
+- retried: HAProxy's own retries (haproxy_backend_retry_warnings_total): requests a host refused or dropped
+  before answering, sent again to another host.
 """
 
 from __future__ import annotations
