@@ -4,13 +4,12 @@ latest), restart, one warm-up completion, ready again. Driven by the daemon's fa
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from test_daemon_logic import RATE, Rig, learn_baseline, make_spec
+from test_ready import get
 
 from appliance.health.daemon import DRAIN_POLL_SECONDS, WARMUP_PROMPT
 from appliance.health.drain import Drain
@@ -33,14 +32,6 @@ def ready_url(rig: Rig) -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_port}/ready"
     server.shutdown()
     server.server_close()
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def decay(rig: Rig) -> str:

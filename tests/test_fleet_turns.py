@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
-from test_daemon_logic import RATE, FakeClock, Rig, learn_baseline, make_spec
+from test_daemon_logic import FakeClock, Rig, make_spec
+from test_drain import decay as want_decay
 
 from appliance.health.drain import restart_turn
 from appliance.health.exporter import Metrics, Readiness, serve
@@ -66,16 +67,6 @@ def fleet_rig(
 ) -> Rig:
     fleet = {"host": me, "peers": peers, "min_ready": min_ready, "drain_seconds": DRAIN, "settle_seconds": settle}
     return Rig(tmp_path, make_spec(tmp_path, fleet=fleet, restart={"cooldown_seconds": 0}, **sections))
-
-
-def want_decay(rig: Rig) -> str:
-    """Slow windows until a check wants the restart; that check's action."""
-    learn_baseline(rig)
-    for _ in range(7):
-        seen = rig.check(0.7 * RATE)
-        if seen.action != "none":
-            return seen.action
-    raise AssertionError("decay never wanted a restart")
 
 
 def poll(rig: Rig, seconds: float = 1.0) -> str:
