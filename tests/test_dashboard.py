@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from conftest import EXAMPLE_FACTS, UpProcess
 from test_examples import rendered
-from test_health_daemon import wait_ready, wait_until
+from test_health_daemon import Traffic, wait_ready, wait_until
 from test_launch import free_port
 from test_prometheus_e2e import TARGETS_SECONDS, Prometheus, Timeline, fast_spec, prometheus_config
 
@@ -279,15 +279,20 @@ def test_every_query_returns_data_from_the_real_appliance(
                     silent[query.where] = query.expr
             return not silent
 
-        wait_until(
-            all_answer,
-            TARGETS_SECONDS + DATA_SECONDS,
-            lambda: (
-                "every query to return data; none yet from:\n"
-                + "\n".join(f"  {where}: {expr}" for where, expr in silent.items())
-                + f"\n{t}"
-            ),
-        )
+        # The decode baseline needs baseline_windows windows with traffic: completions until every query answers.
+        traffic = Traffic(api)
+        try:
+            wait_until(
+                all_answer,
+                TARGETS_SECONDS + DATA_SECONDS,
+                lambda: (
+                    "every query to return data; none yet from:\n"
+                    + "\n".join(f"  {where}: {expr}" for where, expr in silent.items())
+                    + f"\n{t}, {traffic.done} more completions"
+                ),
+            )
+        finally:
+            traffic.close()
         t(f"all {len(every)} queries returned data; the last: " + ", ".join(sorted(answered, key=answered.get)[-3:]))
         found = {q.where: answer(prometheus, q, start) for q in every}
         restarts = {labels["reason"]: values[0] for labels, values in found["Restarts by reason A"]}
