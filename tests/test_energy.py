@@ -108,6 +108,12 @@ def test_rapl_where_the_kernel_has_none_says_so(tmp_path: Path) -> None:
         RaplMeter(tmp_path / "empty").joules()
 
 
+def test_rapl_files_that_hold_no_count_are_unreadable_not_a_crash(powercap: Powercap) -> None:
+    (powercap.root / "intel-rapl:1" / "energy_uj").write_text("")
+    with pytest.raises(EnergyUnreadable, match=r"intel-rapl:1/energy_uj holds '', not a count of microjoules"):
+        RaplMeter(powercap.root).joules()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another user")
 def test_rapl_readable_by_root_only_says_so_to_another_user(tmp_path: Path) -> None:
     # What a kernel since 5.10 does to energy_uj, and what the health daemon (User=llm-appliance) meets.
@@ -300,3 +306,22 @@ def test_a_gpu_daemon_without_nvml_exports_no_energy(tmp_path: Path) -> None:
         rig.check(RATE)
     assert rig.value(ENERGY, source="nvml") is None and rig.value(PER_TOKEN, source="nvml") is None
     assert rig.probe_errors("check") == 0.0
+
+
+class Broken:
+    source = "nvml"
+
+    def joules(self) -> float:
+        raise RuntimeError("a bug in a meter")
+
+
+def test_a_surprise_in_a_meter_costs_the_check_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "llm-appliance.health")
+    rig = Rig(tmp_path)
+    rig.daemon.energy.meters = [Broken()]
+    for _ in range(3):
+        seen = rig.check(RATE)
+    assert seen.up and seen.decode_tps == RATE
+    assert rig.probe_errors("check") == 0.0
+    said = [r.getMessage() for r in caplog.records if "energy" in r.getMessage()]
+    assert said == ["energy (nvml) not measured, no metric exported for it: RuntimeError: a bug in a meter"]

@@ -68,14 +68,14 @@ class RaplMeter:
             name = _text(zone / "name")
             top = zone.name.count(":") == 1
             if (top and name.startswith("package")) or (not top and name == "dram"):
-                found.append(_Zone(zone / "energy_uj", int(_text(zone / "max_energy_range_uj"))))
+                found.append(_Zone(zone / "energy_uj", _microjoules(zone / "max_energy_range_uj")))
         if not found:
             raise EnergyUnreadable(f"no RAPL package zone under {self.root}")
         return found
 
     def joules(self) -> float:
         zones = self._zones or self._find()
-        readings = [int(_text(zone.energy)) for zone in zones]
+        readings = [_microjoules(zone.energy) for zone in zones]
         self._zones = zones
         for zone, now in zip(zones, readings, strict=True):
             if zone.last_uj is not None:
@@ -83,6 +83,13 @@ class RaplMeter:
                 self._total_uj += delta if delta >= 0 else delta + zone.range_uj
             zone.last_uj = now
         return self._total_uj / 1e6
+
+
+def _microjoules(path: Path) -> int:
+    text = _text(path)
+    if not text.isdigit():  # the daemon reads every check: a surprise here must not end a check
+        raise EnergyUnreadable(f"{path} holds {text[:40]!r}, not a count of microjoules")
+    return int(text)
 
 
 def _text(path: Path) -> str:

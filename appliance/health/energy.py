@@ -36,10 +36,10 @@ class EnergyProbe:
             try:
                 joules = meter.joules()
             except EnergyUnreadable as exc:
-                if self.said.get(source) != str(exc):
-                    log.info("energy (%s) not measured, no metric exported for it: %s", source, exc)
-                    self.said[source] = str(exc)
-                self.last.pop(source, None)
+                self._unreadable(source, str(exc))
+                continue
+            except Exception as exc:  # a side reading: no surprise in it may cost the health check its probes
+                self._unreadable(source, f"{type(exc).__name__}: {exc}")
                 continue
             if self.said.pop(source, None) is not None:
                 log.info("energy (%s) readable again", source)
@@ -49,6 +49,12 @@ class EnergyProbe:
                 counter.inc(max(joules - previous, 0.0))
             self.last[source] = readings[source] = joules
         return readings
+
+    def _unreadable(self, source: str, why: str) -> None:
+        if self.said.get(source) != why:
+            log.info("energy (%s) not measured, no metric exported for it: %s", source, why)
+            self.said[source] = why
+        self.last.pop(source, None)
 
     def mark(self) -> None:
         """A window begins here: the first sample, after a restart, after the canary's or the warm-up's tokens."""
