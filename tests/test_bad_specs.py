@@ -247,7 +247,7 @@ BAD = [
         {FIRST_LINE: f"int = 1\n{FIRST_LINE}"},
         "int",
         "unknown key",
-        "known keys here: fleet, health, memory, models",
+        "known keys here: cost, fleet, health, memory, models",
         "int = 1",
     ),
     Case(
