@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import struct
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from importlib import resources
@@ -17,11 +19,14 @@ from conftest import EXAMPLE_FACTS, resolved
 
 import appliance.cli.main as cli
 from appliance.cli.commands import EXIT_APPLY
+from appliance.facts.energy import Energy, RaplMeter
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
+from appliance.measure.bench import run_bench
 from appliance.measure.chart import draw_bench_chart
 from appliance.measure.config import NO_DRAFT, BenchError, Config
 from appliance.measure.measure import Progress, Sample, Stats, WorkloadResult
+from appliance.measure.report import format_table
 from appliance.measure.server import free_port, server_argv
 from appliance.measure.suite import CHAT_MARGIN, fit_document, load_suite, long_prompt, prepare
 from appliance.plan.validate import validate
@@ -221,6 +226,13 @@ def test_bench_standalone_measures_every_workload_with_and_without_the_draft(
         assert draft["acceptance"] > 0.8, name
         assert draft["mean_accepted_length"] > 2, name
         assert plain["acceptance"] is None and plain["mean_accepted_length"] is None
+    # This machine's CPUs, read around every request where RAPL can be read, and said once where it cannot.
+    energy = result["energy"]
+    assert energy["sources"] in ([], ["rapl"]) and result["cost"] is None  # the demo states no [cost]
+    if energy["sources"]:
+        assert energy["draft"]["joules_per_token"] > 0 and rows["chat"]["draft"]["joules_per_token"] > 0
+    else:
+        assert set(energy["not_measured"]) == {"rapl"} and energy["draft"]["joules"] is None
     long_qa = rows["long-qa"]["draft"]["prompt_tokens"]
     assert 400 < long_qa <= 768 - 12 - CHAT_MARGIN, long_qa
     assert rows["long-qa"]["no_draft"]["prompt_tokens"] == long_qa  # the same prompt for both
@@ -241,6 +253,80 @@ def test_bench_standalone_measures_every_workload_with_and_without_the_draft(
     upgraded = versions.Found(found.driver, found.cuda, "version: 9999 (a newer llama.cpp)", found.llama_cpp_python)
     if written.versions["llama_cpp"] is not None:
         assert versions.drift(written.versions, upgraded), "a llama.cpp change must mark the baseline stale"
+
+
+class Package:
+    """A CPU package drawing `watts` in the kernel's powercap layout: a thread advances its energy_uj the way the
+    kernel does, wrapping at max_energy_range_uj, and replaces the file whole so a reader never sees half of it."""
+
+    def __init__(self, root: Path, watts: float, range_uj: int, energy_uj: int) -> None:
+        self.zone = root / "intel-rapl:0"
+        self.zone.mkdir(parents=True)
+        (self.zone / "name").write_text("package-0\n")
+        (self.zone / "max_energy_range_uj").write_text(f"{range_uj}\n")
+        self.watts, self.range_uj, self.energy_uj = watts, range_uj, float(energy_uj)
+        self.wraps = 0
+        self.write()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def write(self) -> None:
+        temporary = self.zone / "energy_uj.new"
+        temporary.write_text(f"{int(self.energy_uj)}\n")
+        os.replace(temporary, self.zone / "energy_uj")
+
+    def run(self) -> None:
+        last = time.monotonic()
+        while not self.stop.wait(0.01):
+            now = time.monotonic()
+            self.energy_uj += self.watts * (now - last) * 1e6
+            last = now
+            if self.energy_uj >= self.range_uj:
+                self.energy_uj -= self.range_uj
+                self.wraps += 1
+            self.write()
+
+
+@pytest.mark.engine
+def test_bench_reads_the_energy_around_every_request_and_prices_a_million_tokens(
+    example: Callable[..., Path], tmp_path: Path
+) -> None:
+    cost = '\n[cost]\ncurrency = "EUR"\nprice_per_kwh = 0.30\nhardware_price = 1000.0\nlifetime_hours = 20000\n'
+    spec = example("demo.toml", {'labels = { appliance = "demo" }': 'labels = { appliance = "demo" }' + cost})
+    # 10 W: the counter wraps 2 s into the run, then every 20 s (longer than any request, as with a real CPU).
+    package = Package(tmp_path / "powercap", watts=10.0, range_uj=200_000_000, energy_uj=180_000_000)
+    package.thread.start()
+    try:
+        result = run_bench(
+            validate(spec),
+            spec,
+            standalone=True,
+            reps=2,
+            tokens=16,
+            suite=load_suite().select(["chat"]),
+            with_canary=False,
+            energy=Energy([RaplMeter(tmp_path / "powercap")]),
+        )
+    finally:
+        package.stop.set()
+        package.thread.join()
+    assert package.wraps >= 1, "the counter should have wrapped during the run"
+    for side, usage in zip(("draft", "no draft"), result.usages().values(), strict=True):
+        # 10 W over the requests' wall time, read from the files through every wrap.
+        assert usage.joules == pytest.approx(10.0 * usage.seconds, rel=0.2), side
+        assert usage.tokens == 2 * 16, side
+    document = result.to_json()
+    assert document["energy"]["sources"] == ["rapl"] and document["energy"]["not_measured"] == {}
+    price = document["cost"]["per_million_tokens"]["no_draft"]
+    plain = result.usages()["no draft"]
+    assert plain.joules_per_token is not None and plain.seconds_per_token is not None
+    assert price["electricity"] == pytest.approx(plain.joules_per_token * 1e6 / 3.6e6 * 0.30, rel=1e-3)
+    assert price["depreciation"] == pytest.approx(1000.0 / (20000 * 3600) * plain.seconds_per_token * 1e6, rel=1e-3)
+    table = format_table(result)
+    assert re.search(
+        r"energy \(rapl, over each whole request\): [0-9.]+ J/token with the draft, [0-9.]+ J/token", table
+    )
+    assert re.search(r"  no draft        [0-9.e-]+ electricity \+ [0-9.e-]+ depreciation = [0-9.e-]+", table), table
 
 
 @pytest.fixture

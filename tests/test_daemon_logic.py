@@ -57,6 +57,8 @@ class FakeNvml:
         self.xids = 0
         self.failure: NvmlUnavailable | None = None
         self.others: list[GpuMemory] = []  # more GPUs, not the server's
+        self.watts = 300.0  # GPU 0's draw: its energy counter grows by this much each second of the clock
+        self.millijoules: int | None = 10**9  # NVML's counter since the driver loaded; None: this GPU has none
 
     def _maybe_fail(self) -> None:
         if self.failure is not None:
@@ -86,6 +88,14 @@ class FakeNvml:
     def xid_errors(self, index: int) -> int:
         self._maybe_fail()
         return self.xids
+
+    def energy_millijoules(self, index: int) -> int | None:
+        self._maybe_fail()
+        return self.millijoules
+
+    def power_milliwatts(self, index: int) -> int:
+        self._maybe_fail()
+        return int(self.watts * 1000)
 
 
 class FakeControl:
@@ -193,6 +203,8 @@ class Rig:
     def check(self, rate: float | None = RATE, **decode: float) -> Observation:
         """Thirty seconds pass (with traffic at `rate`, or none), then one check."""
         self.clock.advance()
+        if self.nvml.millijoules is not None:
+            self.nvml.millijoules += int(self.nvml.watts * INTERVAL * 1000)
         if rate is not None:
             self.api.decode(rate, **decode)
         return self.daemon.check()

@@ -32,6 +32,8 @@ UNITS = {
     "restarts",
     "errors",
     "failed probes",
+    "joules",
+    "joules per token",
     "hosts",
     "info: always 1, the versions are labels",
 }
@@ -43,6 +45,8 @@ SUFFIX_UNITS = {
     "_bytes": "bytes",
     "_ratio": "ratio",
     "_tokens_total": "tokens",
+    "_per_token_joules": "joules per token",
+    "_joules_total": "joules",
     "_info": "info: always 1, the versions are labels",
 }
 
@@ -118,6 +122,8 @@ def test_only_labelled_series_without_children_are_empty() -> None:
         f"{PREFIX}_gpu_memory_used_bytes",
         f"{PREFIX}_gpu_memory_free_bytes",
         f"{PREFIX}_gpu_xid_errors",
+        f"{PREFIX}_energy_joules",  # from a source's first reading: none where nothing can be read
+        f"{PREFIX}_energy_per_token_joules",
     }
     empty = {family.name for family in text_string_to_metric_families(text) if not family.samples}
     assert empty == expected_empty
@@ -136,7 +142,7 @@ def test_counters_end_in_total_and_nothing_else_does() -> None:
             assert name.endswith("_total") and not name.endswith("_total_total"), name
         else:
             assert not name.endswith("_total"), f"{name} is a {kind} named like a counter"
-    assert len([k for k in found.values() if k == "counter"]) == 5
+    assert len([k for k in found.values() if k == "counter"]) == 6
 
 
 def test_units_are_base_units_in_the_name() -> None:

@@ -83,6 +83,7 @@ def fake_module(**functions: Any) -> types.ModuleType:
     module.NVMLError_GpuIsLost = NVMLError_GpuIsLost  # type: ignore[attr-defined]
     module.NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18  # type: ignore[attr-defined]
     module.NVML_ERROR_GPU_IS_LOST = 15  # type: ignore[attr-defined]
+    module.NVML_ERROR_NOT_SUPPORTED = 3  # type: ignore[attr-defined]
     module.nvmlInit = lambda: None  # type: ignore[attr-defined]
     for name, function in functions.items():
         setattr(module, name, function)
@@ -199,6 +200,8 @@ def working_module(xids: list[int] | None = None) -> types.ModuleType:
         nvmlEventTypeXidCriticalError=8,
         nvmlDeviceRegisterEvents=lambda handle, kind, events: None,
         nvmlDeviceGetIndex=lambda handle: handle[1],
+        nvmlDeviceGetTotalEnergyConsumption=lambda handle: 123_456_789 + handle[1],
+        nvmlDeviceGetPowerUsage=lambda handle: 287_500,
     )
     module.nvmlEventSetWait_v2 = lambda events, timeout_ms: (
         Event(("handle", pending.pop(0))) if pending else _timeout(module)
@@ -239,3 +242,46 @@ def test_cuda_versions(monkeypatch: pytest.MonkeyPatch, code: int, version: str)
     module.nvmlSystemGetCudaDriverVersion = lambda: code  # type: ignore[attr-defined]
     install(monkeypatch, module)
     assert Pynvml().cuda_version() == version
+
+
+def test_energy_and_power(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, working_module())
+    nvml = Pynvml()
+    assert nvml.energy_millijoules(0) == 123_456_789
+    assert nvml.energy_millijoules(1) == 123_456_790
+    assert nvml.power_milliwatts(1) == 287_500
+
+
+def test_a_gpu_without_an_energy_counter_says_none_and_other_errors_stay_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = working_module()
+
+    def unsupported(handle: Any) -> int:
+        raise module.NVMLError(3)  # NVML_ERROR_NOT_SUPPORTED: a GPU before Volta
+
+    module.nvmlDeviceGetTotalEnergyConsumption = unsupported  # type: ignore[attr-defined]
+    install(monkeypatch, module)
+    assert Pynvml().energy_millijoules(0) is None
+
+    def lost(handle: Any) -> int:
+        raise module.NVMLError_GpuIsLost(15)
+
+    module.nvmlDeviceGetTotalEnergyConsumption = lost  # type: ignore[attr-defined]
+    with pytest.raises(NvmlUnavailable, match=r"^NVML: GPU is lost$"):
+        Pynvml().energy_millijoules(0)
+
+    def mismatch(handle: Any) -> int:
+        raise module.NVMLError_LibRmVersionMismatch(18)
+
+    module.nvmlDeviceGetTotalEnergyConsumption = mismatch  # type: ignore[attr-defined]
+    with pytest.raises(NvmlUnavailable, match="reboot") as caught:
+        Pynvml().energy_millijoules(0)
+    assert caught.value.mismatch is True
+
+
+@no_nvidia_library
+def test_no_nvidia_library_reads_no_energy() -> None:
+    for call in (lambda n: n.energy_millijoules(0), lambda n: n.power_milliwatts(0)):
+        with pytest.raises(NvmlUnavailable, match=r"(?i)library not found"):
+            call(Pynvml())

@@ -50,6 +50,8 @@ class Nvml(Protocol):
     def cuda_version(self) -> str: ...
     def processes(self, index: int) -> list[GpuProcess]: ...
     def xid_errors(self, index: int) -> int: ...
+    def energy_millijoules(self, index: int) -> int | None: ...
+    def power_milliwatts(self, index: int) -> int: ...
 
 
 class Pynvml:
@@ -75,13 +77,17 @@ class Pynvml:
         try:
             return function(*args)
         except pynvml.NVMLError as exc:
-            text = str(exc)
-            mismatch = "mismatch" in text.lower() or getattr(exc, "value", None) == getattr(
-                pynvml, "NVML_ERROR_LIB_RM_VERSION_MISMATCH", -1
-            )
-            if mismatch:
-                raise NvmlUnavailable(f"NVML: Driver/library version mismatch; {MISMATCH_FIX}", mismatch=True) from None
-            raise NvmlUnavailable(f"NVML: {text}") from None
+            raise Pynvml._unavailable(pynvml, exc) from None
+
+    @staticmethod
+    def _unavailable(pynvml: Any, exc: Exception) -> NvmlUnavailable:
+        text = str(exc)
+        mismatch = "mismatch" in text.lower() or getattr(exc, "value", None) == getattr(
+            pynvml, "NVML_ERROR_LIB_RM_VERSION_MISMATCH", -1
+        )
+        if mismatch:
+            return NvmlUnavailable(f"NVML: Driver/library version mismatch; {MISMATCH_FIX}", mismatch=True)
+        return NvmlUnavailable(f"NVML: {text}")
 
     def gpus(self) -> list[GpuMemory]:
         nvml = self._nvml()
@@ -101,6 +107,23 @@ class Pynvml:
         nvml = self._nvml()
         version = int(self._call(nvml, nvml.nvmlSystemGetCudaDriverVersion))
         return f"{version // 1000}.{version % 1000 // 10}"
+
+    def energy_millijoules(self, index: int) -> int | None:
+        """The GPU's energy counter since the driver was loaded, in mJ; None where the GPU has none (before
+        Volta): then only its power draw can be read."""
+        nvml = self._nvml()
+        handle = self._call(nvml, nvml.nvmlDeviceGetHandleByIndex, index)
+        try:
+            return int(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+        except nvml.NVMLError as exc:
+            if getattr(exc, "value", None) == getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", 3):
+                return None
+            raise self._unavailable(nvml, exc) from None
+
+    def power_milliwatts(self, index: int) -> int:
+        nvml = self._nvml()
+        handle = self._call(nvml, nvml.nvmlDeviceGetHandleByIndex, index)
+        return int(self._call(nvml, nvml.nvmlDeviceGetPowerUsage, handle))
 
     def processes(self, index: int) -> list[GpuProcess]:
         nvml = self._nvml()

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from appliance.facts.energy import EnergyMeter, meters_for
 from appliance.facts.gpu import Nvml, NvmlUnavailable
 from appliance.health import versions
 from appliance.health.detectors import (
@@ -27,6 +28,7 @@ from appliance.health.detectors import (
     window,
 )
 from appliance.health.drain import Drain, restart_turn
+from appliance.health.energy import EnergyProbe
 from appliance.health.exporter import Metrics, Readiness
 from appliance.health.peers import Peer, PeerReader, reader
 from appliance.health.requests import RestartRequest, RestartRequests
@@ -109,6 +111,7 @@ class HealthDaemon:
         clock: Callable[[], float] = time.time,
         readiness: Readiness | None = None,
         peers: PeerReader | None = None,
+        energy: Sequence[EnergyMeter] | None = None,
     ) -> None:
         health, restart = config.spec.health, config.spec.restart
         self.config, self.control, self.nvml, self.clock = config, control, nvml, clock
@@ -145,6 +148,9 @@ class HealthDaemon:
         self.metrics.draft_configured.set(1 if appliance.draft_in_use else 0)
         self.metrics.speculation_engaged.set(1)
         self.restart_log = RestartLog(appliance.state_file)
+        self.energy = EnergyProbe(
+            meters_for(appliance.server_devices, nvml) if energy is None else energy, self.metrics
+        )
         self._load_baseline()
         self._load_state()
 
@@ -173,6 +179,7 @@ class HealthDaemon:
         started = time.monotonic()
         seen = Observation()
         try:
+            self.energy.read()  # every check, the server up or not: the counter counts what the machine draws
             self._probe_server(seen)
             self._probe_gpu(seen)
             self._probe_versions(seen)
@@ -226,6 +233,10 @@ class HealthDaemon:
         )
         w = window(self.previous, sample)
         self.previous = sample
+        if w is None:
+            self.energy.mark()
+        else:
+            self.energy.window(w.tokens)
         now = self.clock()
         if w is not None and w.tokens > 0:
             self.last_tokens_at = now
@@ -320,6 +331,7 @@ class HealthDaemon:
             values.get("spec_decode_num_draft_tokens_total", 0.0),
             values.get("spec_decode_num_accepted_tokens_total", 0.0),
         )
+        self.energy.mark()
         self.warmed_up = True
         if rate > 0:
             self._record_rate(CANARY_BUCKET, rate, seen)

@@ -132,6 +132,18 @@ class Metrics:
             "fleet_decay",
             "Whether most of the fleet decays at once, so restarts for decay are held: a driver or CUDA change? (1/0)",
         )
+        # Labelled by source (rapl, nvml), created at a source's first reading: an unreadable one exports nothing.
+        self.energy = counter(
+            "energy_joules",
+            "Energy drawn since the daemon started, by source: rapl the CPU packages and DRAM, nvml the server's "
+            "GPUs (joules)",
+            ("source",),
+        )
+        self.energy_per_token = gauge(
+            "energy_per_token_joules",
+            "Energy of the recent decode windows over the tokens they generated, by source (joules per token)",
+            ("source",),
+        )
         self.check_duration = gauge("check_duration_seconds", "Duration of the last health check (seconds)")
         self.probe_errors = counter("probe_errors", "Probes that failed, by probe (failed probes)", ("probe",))
         for reason in RESTART_REASONS:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from appliance.facts.energy import Energy, meters_for
+from appliance.facts.gpu import Pynvml
 from appliance.measure.config import NO_DRAFT, BenchError, BenchUsage, Config
 from appliance.measure.measure import Progress, WorkloadResult, measure
 from appliance.measure.report import BenchResult, Side, chart_rows, format_table, now, write_baseline
@@ -45,10 +47,11 @@ class _Run:
     reps: int
     progress: Progress
     load_timeout: float
+    energy: Energy
 
     def side(self, api: ServerApi, pid: int | None, config: Config) -> Measured:
         n_max = config.n_max if config.draft else None
-        results = measure(api, self.prepared.get(api), self.reps, pid, self.progress, n_max=n_max)
+        results = measure(api, self.prepared.get(api), self.reps, pid, self.progress, n_max=n_max, energy=self.energy)
         if self.canary is None:
             return results, None
         return results, measure(api, self.canary.get(api), self.reps, pid, self.progress, n_max=n_max)[CANARY]
@@ -68,7 +71,8 @@ class _Run:
         self.progress.phase("starting llama-server without the draft (baseline)")
         with TempServer(self.validated, NO_DRAFT, self.load_timeout) as server:
             self.progress.phase("no draft (baseline)")
-            return measure(server.api, self.prepared.get(server.api), self.reps, server.pid, self.progress)
+            requests = self.prepared.get(server.api)
+            return measure(server.api, requests, self.reps, server.pid, self.progress, energy=self.energy)
 
 
 def appliance_api(appliance: Appliance) -> tuple[str, ServerApi]:
@@ -95,6 +99,7 @@ def run_bench(
     progress: Progress | None = None,
     with_canary: bool = True,
     load_timeout: float = LOAD_TIMEOUT,
+    energy: Energy | None = None,
 ) -> BenchResult:
     spec = validated.plan.spec
     suite = suite or load_suite()
@@ -104,7 +109,9 @@ def run_bench(
     canary = Prepared([canary_workload()], None, prepared.slot_ctx) if with_canary else None
     progress = progress or Progress(enabled=False)
     progress.total = (2 * len(suite.workloads) + (1 if with_canary else 0)) * reps
-    run = _Run(validated, appliance, prepared, canary, reps, progress, load_timeout)
+    # The server's GPUs through NVML and the CPUs through RAPL, each read around every request where it can be.
+    energy = energy if energy is not None else Energy(meters_for(appliance.server_devices, Pynvml()))
+    run = _Run(validated, appliance, prepared, canary, reps, progress, load_timeout, energy)
     url: str | None = None
     if standalone:
         draft_results, canary_result = run.standalone(config)
@@ -122,6 +129,9 @@ def run_bench(
         baseline=Side(NO_DRAFT.label(), NO_DRAFT, None, baseline_results),
         canary=canary_result,
         measured_at=now(),
+        energy_sources=energy.sources,
+        energy_unreadable=dict(energy.unreadable),
+        cost=spec.cost,
     )
 
 

@@ -1,7 +1,8 @@
 """The measurement of one configuration on a running server: each request of the suite, repeated and
 interleaved after a warm-up, streamed over SSE for the time to first token, the server's own `timings`
-kept as a `Sample`; the statistics of the samples per workload (`WorkloadResult`); the progress shown
-meanwhile. A sample during which other processes took the CPUs is measured again.
+kept as a `Sample` with the energy the machine drew meanwhile where it can be read; the statistics of the
+samples per workload (`WorkloadResult`); the progress shown meanwhile. A sample during which other processes
+took the CPUs is measured again.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from appliance.facts.energy import Energy
 from appliance.measure.config import BenchError
 from appliance.measure.server import CpuTimes, others_share
 from appliance.measure.suite import Request, call
@@ -37,6 +39,8 @@ class Sample:
     draft_accepted: int
     drafts: float | None  # speculative rounds, from the /metrics delta
     others_cpu: float | None = None
+    seconds: float | None = None  # the request's wall time, as the client saw it
+    joules: float | None = None  # what the readable meters counted over that time; None: nothing read
 
     @property
     def contended(self) -> bool:
@@ -117,6 +121,13 @@ class WorkloadResult:
     def contended(self) -> int:
         return sum(1 for s in self.samples if s.contended)
 
+    @property
+    def joules_per_token(self) -> float | None:
+        """The energy of the requests (prompt and generation) over the tokens they generated."""
+        joules = [s.joules for s in self.samples]
+        tokens = sum(s.predicted_n for s in self.samples)
+        return sum(j for j in joules if j is not None) / tokens if tokens and None not in joules else None
+
     def to_json(self) -> dict[str, Any]:
         def rounded(value: float | None) -> float | None:
             return round(value, 4) if value is not None else None
@@ -130,6 +141,7 @@ class WorkloadResult:
             "predicted_tokens": self.samples[0].predicted_n if self.samples else None,
             "contended_samples": self.contended,
             "retried_samples": self.retried,
+            "joules_per_token": rounded(self.joules_per_token),
         }
 
 
@@ -181,8 +193,9 @@ def _metrics(api: ServerApi) -> dict[str, float] | None:
         return None
 
 
-def run_request(api: ServerApi, request: Request, pid: int | None = None) -> Sample:
+def run_request(api: ServerApi, request: Request, pid: int | None = None, energy: Energy | None = None) -> Sample:
     before, cpu_before = _metrics(api), CpuTimes.read(pid)
+    joules_before, started = energy.joules() if energy else None, time.perf_counter()
     if request.workload.stream:
         ttft, answer = _stream(api, request.path, request.body, REQUEST_TIMEOUT)
         ttft_ms: float | None = ttft * 1000 if ttft is not None else None
@@ -197,6 +210,7 @@ def run_request(api: ServerApi, request: Request, pid: int | None = None) -> Sam
         except ServerUnreachable as exc:
             raise BenchError(str(exc)) from None
         ttft_ms = None
+    seconds, joules_after = time.perf_counter() - started, energy.joules() if energy else None
     cpu_after, after = CpuTimes.read(pid), _metrics(api)
     try:
         t = answer["timings"]
@@ -213,6 +227,8 @@ def run_request(api: ServerApi, request: Request, pid: int | None = None) -> Sam
             draft_accepted=int(t.get("draft_n_accepted", 0)),
             drafts=drafts,
             others_cpu=others_share(cpu_before, cpu_after),
+            seconds=seconds,
+            joules=joules_after - joules_before if joules_after is not None and joules_before is not None else None,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise BenchError(f"{api.base_url}{request.path}: no usable timings in the answer ({exc})") from None
@@ -266,6 +282,7 @@ def measure(
     progress: Progress | None = None,
     retries: int = 2,
     n_max: int | None = None,
+    energy: Energy | None = None,
 ) -> dict[str, WorkloadResult]:
     """Each request `reps` times, interleaved, after a warm-up; a sample during which other processes took
     the CPUs is measured again (up to `retries` times, then kept and counted as contended)."""
@@ -280,14 +297,14 @@ def measure(
     }
     for rep in range(reps):
         for request in requests:
-            sample = run_request(api, request, pid)
+            sample = run_request(api, request, pid, energy)
             result = results[request.workload.name]
             for attempt in range(retries):
                 if not sample.contended:
                     break
                 result.retried += 1
                 time.sleep(0.5 * (attempt + 1))
-                sample = run_request(api, request, pid)
+                sample = run_request(api, request, pid, energy)
             result.samples.append(sample)
             if progress:
                 progress.advance(f"{request.workload.name} {rep + 1}/{reps}")

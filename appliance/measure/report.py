@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from appliance.measure.config import Config, spec_values
+from appliance.measure.cost import PerMillion, Usage, cost_lines, energy_lines
 from appliance.measure.measure import CONTENDED_SHARE, Stats, WorkloadResult
 from appliance.measure.search import TuneResult, harmonic_mix
+from appliance.spec.model import Cost
 from appliance.system import paths
 from appliance.system.files import write_atomically
 
@@ -49,6 +51,9 @@ class BenchResult:
     canary: WorkloadResult | None
     measured_at: str
     chart: Path | None = None
+    energy_sources: tuple[str, ...] = ()  # the meters read around every request
+    energy_unreadable: dict[str, str] = field(default_factory=dict)  # source -> why it was not read
+    cost: Cost | None = None  # the spec's [cost]
 
     @property
     def workloads(self) -> list[str]:
@@ -57,6 +62,13 @@ class BenchResult:
     def speedup(self, name: str) -> float | None:
         with_draft, without = self.draft.results[name].decode, self.baseline.results[name].decode
         return with_draft.median / without.median if with_draft and without and without.median else None
+
+    def usages(self) -> dict[str, Usage]:
+        """Energy, time and tokens of each side's requests, by the words the table uses."""
+        return {
+            "with the draft": Usage.of(self.draft.results.values()),
+            "no draft": Usage.of(self.baseline.results.values()),
+        }
 
     def decode_rates(self) -> dict[str, float]:
         """The with-draft decode rates as the health daemon's buckets: workload:<name> and the canary's."""
@@ -95,8 +107,28 @@ class BenchResult:
             },
             "workloads": rows,
             "canary": self.canary.to_json() if self.canary else None,
+            "energy": self._energy_json(),
+            "cost": self._cost_json(),
             "chart": str(self.chart) if self.chart else None,
             "ttft": "wall time from sending the streamed request to the first chunk with content, measured by the client",
+        }
+
+    def _energy_json(self) -> dict[str, Any]:
+        draft, no_draft = self.usages().values()
+        return {
+            "sources": list(self.energy_sources),
+            "not_measured": dict(self.energy_unreadable),
+            "draft": draft.to_json(),
+            "no_draft": no_draft.to_json(),
+        }
+
+    def _cost_json(self) -> dict[str, Any] | None:
+        if self.cost is None:
+            return None
+        draft, no_draft = (PerMillion.of(self.cost, usage) for usage in self.usages().values())
+        return {
+            **self.cost.model_dump(mode="json"),
+            "per_million_tokens": {"draft": draft.to_json(self.cost), "no_draft": no_draft.to_json(self.cost)},
         }
 
 
@@ -147,6 +179,10 @@ def format_table(result: BenchResult) -> str:
         lines.append(
             f"* {contended} sample(s) ran while other processes took more than {CONTENDED_SHARE:.0%} of the CPUs"
         )
+    usages = result.usages()
+    lines += ["", *energy_lines(result.energy_sources, result.energy_unreadable, usages)]
+    if result.cost is not None:
+        lines += cost_lines(result.cost, usages)
     return "\n".join(lines)
 
 

@@ -274,8 +274,9 @@ def _change(old: Any, new: Any) -> str:
 
 
 def _spec_document(spec: Spec) -> dict[str, Any]:
-    # A single appliance has no [fleet]: left out, its snapshot reads as before the fleet existed.
+    # A single appliance has no [fleet] (nor, mostly, a [cost]): left out, its snapshot reads as before they existed.
     document = spec.model_dump(mode="json")
-    if document.get("fleet") is None:
-        document.pop("fleet", None)
+    for optional in ("fleet", "cost"):
+        if document.get(optional) is None:
+            document.pop(optional, None)
     return document

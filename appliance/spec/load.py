@@ -176,7 +176,7 @@ def _problem_from(err: Any, document: dict[str, Any], root: type[BaseModel]) -> 
         )
     given = _lookup(document, err["loc"])
     message = err["msg"].removeprefix("Value error, ")
-    if given is not _ABSENT:
+    if given is not _ABSENT and not isinstance(given, dict):  # a whole table is no help: its line is named
         message += f" (got {given!r})"
     return Problem(Severity.ERROR, dotted, message, _fix_for(kind, err))
 

@@ -415,6 +415,40 @@ class FleetMember(Strict):
         return self
 
 
+HOURS_PER_YEAR = 8766  # 365.25 days
+
+
+class Cost(Strict):
+    """What a token costs, for `bench`: the electricity it takes and the hardware's depreciation over its
+    lifetime, both per million generated tokens, in one currency."""
+
+    currency: Annotated[Line, Field(max_length=8)] = ""  # shown beside the figures: "EUR"
+    price_per_kwh: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    hardware_price: Annotated[float, Field(ge=0.0, le=1e9)] | None = None
+    lifetime_years: Annotated[float, Field(gt=0.0, le=50.0)] | None = None
+    lifetime_hours: Annotated[float, Field(gt=0.0, le=50.0 * HOURS_PER_YEAR)] | None = None
+    # The share of its lifetime the box spends generating: depreciation per token grows as it idles.
+    utilization: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+
+    @model_validator(mode="after")
+    def _complete(self) -> Cost:
+        lifetimes = [name for name in ("lifetime_years", "lifetime_hours") if getattr(self, name) is not None]
+        if self.price_per_kwh is None and self.hardware_price is None:
+            raise ValueError("states no price; set price_per_kwh, or hardware_price with its lifetime_years")
+        if len(lifetimes) > 1:
+            raise ValueError("states the lifetime twice; keep lifetime_years or lifetime_hours")
+        if self.hardware_price is not None and not lifetimes:
+            raise ValueError("hardware_price needs the hardware's lifetime; set lifetime_years (or lifetime_hours)")
+        if self.hardware_price is None and lifetimes:
+            raise ValueError(f"{lifetimes[0]} without hardware_price; set the price the hardware cost")
+        return self
+
+    @property
+    def lifetime_seconds(self) -> float | None:
+        hours = self.lifetime_hours or (self.lifetime_years or 0.0) * HOURS_PER_YEAR
+        return hours * 3600 if hours else None
+
+
 class Spec(Strict):
     server: Server = Server()
     models: Models
@@ -427,3 +461,4 @@ class Spec(Strict):
     prometheus: Prometheus = Prometheus()
     tuning: Tuning = Tuning()
     fleet: FleetMember | None = None
+    cost: Cost | None = None
