@@ -89,6 +89,12 @@ def _seen(**overrides: object) -> Status:
     return seen
 
 
+def test_energy_per_token_is_shown_where_a_meter_was_read() -> None:
+    seen = _seen(metrics={"llm_appliance_energy_per_token_joules": [({"source": "nvml"}, 0.42)]})
+    assert "energy   nvml 0.42 J/token" in report(seen).splitlines()
+    assert not any(line.startswith("energy") for line in report(_seen()).splitlines())
+
+
 @pytest.mark.parametrize(
     ("overrides", "health", "words"),
     [

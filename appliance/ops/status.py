@@ -175,6 +175,12 @@ def report(seen: Status) -> str:
         engaged = "engaged" if seen.value("speculation_engaged") == 1 else "NOT ENGAGED"
         lines.append(f"draft    {engaged}" + (f", acceptance {acceptance:.2f}" if acceptance is not None else ""))
     lines += _memory(seen)
+    energy = [
+        f"{labels['source']} {value:.2f} J/token"
+        for labels, value in seen.metrics.get("llm_appliance_energy_per_token_joules", [])
+    ]
+    if energy:
+        lines.append("energy   " + ", ".join(energy))
     if seen.restarts:
         last = "; ".join(
             f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(t))} {r}" for t, r in reversed(seen.restarts)
