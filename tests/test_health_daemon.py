@@ -288,3 +288,14 @@ def test_restart_without_a_daemon_to_take_it_says_so(tmp_path: Path, monkeypatch
     (tmp_path / "state").mkdir()
     assert service.request_restart(tmp_path / "state", "manual", None) == 3
     assert not list((tmp_path / "state").iterdir()), "the unanswered request is withdrawn"
+
+
+def test_restart_by_someone_who_may_not_write_the_state_directory_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from appliance.health import service
+
+    # Not a directory anyone could write in (what a 0700 directory of another user is to an admin).
+    (tmp_path / "a-file").write_text("")
+    assert service.request_restart(tmp_path / "a-file" / "state", "manual", None) == 2
+    assert "cannot leave the restart request in" in caplog.text

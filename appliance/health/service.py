@@ -72,7 +72,16 @@ def request_restart(state_dir: Path, reason: Reason, applied: Appliance | None) 
     the fleet, the drain, the warm-up), under systemd and under `up` alike. With no daemon to take it, a single
     appliance still restarts when idle through systemd; a fleet member does not (its turn cannot be known)."""
     requests = RestartRequests(state_dir)
-    wanted = requests.submit(reason)
+    try:
+        wanted = requests.submit(reason)
+    except OSError as exc:
+        log.error(
+            "cannot leave the restart request in %s: %s; run it as root or as %s",
+            state_dir,
+            exc.strerror or exc,
+            paths.SERVICE_USER,
+        )
+        return 2
     deadline = time.monotonic() + ADOPT_TIMEOUT_SECONDS
     while time.monotonic() < deadline:
         if requests.taken(wanted):
