@@ -257,6 +257,16 @@ def _rules_of(text: str) -> dict[str, dict[str, dict[str, str]]]:
 def _fleet_alerts(rules: Path, tmp_path: Path, series: dict[str, str], at: str, firing: list[str]) -> None:
     """promtool's own rule unit test: these series, evaluated at `at`, fire exactly the alerts named."""
     rendered = _rules_of(rules.read_text())
+
+    def expected(alert: str) -> dict[str, dict[str, str]]:
+        labels, annotations = rendered[alert]["labels"], rendered[alert]["annotations"]
+        if alert != DRAINING:  # the others aggregate the hosts away
+            return {"exp_labels": labels, "exp_annotations": annotations}
+        return {
+            "exp_labels": {**labels, "host": "demo-1"},
+            "exp_annotations": {k: v.replace("{{ $labels.host }}", "demo-1") for k, v in annotations.items()},
+        }
+
     case = {
         "rule_files": [str(rules)],
         "evaluation_interval": "15s",
@@ -268,13 +278,9 @@ def _fleet_alerts(rules: Path, tmp_path: Path, series: dict[str, str], at: str, 
                     {
                         "eval_time": at,
                         "alertname": alert,
-                        "exp_alerts": [
-                            {"exp_labels": rendered[alert]["labels"], "exp_annotations": rendered[alert]["annotations"]}
-                        ]
-                        if alert in firing
-                        else [],
+                        "exp_alerts": [expected(alert)] if alert in firing else [],
                     }
-                    for alert in ("LlmApplianceFleetBelowMinReady", "LlmApplianceFleetWideDecay")
+                    for alert in ("LlmApplianceFleetBelowMinReady", "LlmApplianceFleetWideDecay", DRAINING)
                 ],
             }
         ],
@@ -285,8 +291,15 @@ def _fleet_alerts(rules: Path, tmp_path: Path, series: dict[str, str], at: str, 
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+DRAINING = "LlmApplianceDrainingTooLong"
+
+
 def _ready(host: str) -> str:
     return f'llm_appliance_ready{{appliance="demo", host="{host}"}}'
+
+
+# demo-1 out (draining), the other two serving: min_ready kept.
+SERVING = {_ready("demo-1"): "0x60", _ready("demo-2"): "1x60", _ready("demo-3"): "1x60"}
 
 
 @pytest.mark.parametrize(
@@ -306,6 +319,9 @@ def _ready(host: str) -> str:
             },
             ["LlmApplianceFleetWideDecay"],
         ),
+        # The example drains 4 s and waits 300 s for idle at most: stuck past that and 5 minutes more.
+        ({**SERVING, 'llm_appliance_draining{appliance="demo", host="demo-1"}': "1x60"}, [DRAINING]),
+        ({**SERVING, 'llm_appliance_draining{appliance="demo", host="demo-1"}': "1x20 0x40"}, []),
     ],
 )
 @pytest.mark.skipif(not Path(PROMTOOL).exists(), reason="promtool is not installed")

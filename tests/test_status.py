@@ -124,3 +124,37 @@ def test_the_verdict(overrides: dict[str, object], health: str, words: str) -> N
     assert words in " ".join(problems)
     seen.health, seen.problems = found, problems
     assert report(seen).startswith(f"llm-appliance: {health.upper()}")
+
+
+def test_what_the_exporter_says_cannot_drive_roots_terminal() -> None:
+    hostile = {"llm_appliance_version_info": [({"llama_cpp": "b1\x1b]0;owned\x07\x1b[2J"}, 1.0)]}
+    seen = _seen(metrics=hostile, ready=Peer("self", False, "draining\x1b[31m"))
+    shown = report(seen)
+    assert "\x1b" not in shown and "\x07" not in shown
+    assert "llama_cpp b1?]0;owned??[2J" in shown
+
+
+def test_an_exposition_no_exporter_of_ours_writes_reads_as_nothing() -> None:
+    import http.server
+    import threading
+
+    from appliance.ops.status import _scrape
+
+    class Garbage(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'llm_appliance_ready{x="\n 1 2 3 junk\n'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert _scrape(f"http://127.0.0.1:{server.server_port}/metrics") == {}
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import stat
 import time
 import urllib.request
@@ -35,6 +36,10 @@ TIMEOUT_SECONDS = 3.0
 LAST_RESTARTS = 5
 # A state file larger than this is not the daemon's (which prunes to a week of restarts): not read.
 STATE_FILE_LIMIT = 1 << 20
+# The exporter's whole exposition is a few kilobytes; more is not ours to read.
+EXPOSITION_LIMIT = 4 << 20
+# What the screen shows of text the service user controls (labels, reasons): no terminal control sequences.
+UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 Series = dict[str, list[tuple[dict[str, str], float]]]
 
@@ -107,7 +112,7 @@ def gather(appliance: Appliance, mode: Mode, spec_differences: list[str]) -> Sta
 
 def assess(seen: Status) -> tuple[Health, list[str]]:
     """Down: llama-server does not answer (or its unit is not active). Degraded: it answers, but something an
-    admin should look at holds (not ready, decay, versions, speculation, budget, headroom, the daemon, the spec)."""
+    admin should look at holds (not ready, decay, versions, speculation, the budget, the daemon, the spec)."""
     down, degraded = [], []
     server_unit = next((u for u in seen.units if u.name == paths.SERVER_UNIT), None)
     if server_unit and not server_unit.state.startswith("active"):
@@ -142,7 +147,12 @@ def assess(seen: Status) -> tuple[Health, list[str]]:
 
 
 def report(seen: Status) -> str:
-    """The screen."""
+    """The screen. Label values and reasons come from the exporter (the service user's): printed without
+    control characters, so a compromised daemon cannot drive root's terminal."""
+    return "\n".join(UNPRINTABLE.sub("?", line) for line in _screen(seen))
+
+
+def _screen(seen: Status) -> list[str]:
     lines = [
         f"llm-appliance: {seen.health.upper()} ({seen.spec_file}, {'systemd' if seen.mode == 'systemd' else 'up, no systemd'})"
     ]
@@ -194,7 +204,7 @@ def report(seen: Status) -> str:
         lines += [f"  {line}" for line in seen.spec_differences]
     else:
         lines.append("spec     is what is applied")
-    return "\n".join(lines)
+    return lines
 
 
 def _buckets(seen: Status) -> list[tuple[str, float, float | None]]:
@@ -248,15 +258,17 @@ def _unit(name: str) -> Unit:
 
 
 def _scrape(url: str) -> Series:
+    """The exporter's metrics; nothing when it does not answer or answers what no exporter of ours writes (it
+    runs as the service user, and root may be the one asking)."""
     try:
         with urllib.request.urlopen(url, timeout=TIMEOUT_SECONDS) as answer:
-            text = answer.read().decode()
-    except (OSError, ValueError):
+            text = answer.read(EXPOSITION_LIMIT).decode()
+        series: Series = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                series.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
+    except (OSError, ValueError, TypeError, IndexError):
         return {}
-    series: Series = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            series.setdefault(sample.name, []).append((dict(sample.labels), sample.value))
     return series
 
 
