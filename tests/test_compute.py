@@ -13,9 +13,9 @@ from compute_log import compute_log
 from conftest import EXAMPLE_FACTS, gpu_facts
 
 from appliance.facts.gguf import read_model
-from appliance.measure.report import updated_spec
 from appliance.measure.search import default_params, tune
 from appliance.measure.tune import with_longest_context
+from appliance.measure.tune_report import updated_spec
 from appliance.plan.budget import KV_CELL_PAD, MIB
 from appliance.plan.compute import peaks, shape, target_outputs_per_seq
 from appliance.plan.fit import device_fits, largest_fits

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.measure.config import NO_DRAFT, Config
+from appliance.measure.config import NO_SPECULATION, Config
 from appliance.measure.cost import PerMillion, Usage
 from appliance.measure.measure import Sample, WorkloadResult
 from appliance.measure.report import BenchResult, Side, format_table
@@ -34,8 +34,8 @@ def bench(draft: list[WorkloadResult], plain: list[WorkloadResult], **energy: ob
         mode="standalone",
         reps=2,
         tokens=None,
-        draft=Side("n_max 8, n_min 0, p_min 0", Config(True, 8), None, {r.name: r for r in draft}),
-        baseline=Side("no draft", NO_DRAFT, None, {r.name: r for r in plain}),
+        speculative=Side("draft-simple (n_max 8)", Config(("draft-simple",), 8), None, {r.name: r for r in draft}),
+        no_speculation=Side("none", NO_SPECULATION, None, {r.name: r for r in plain}),
         canary=None,
         measured_at="2026-12-03T00:00:00+00:00",
         **energy,  # type: ignore[arg-type]
@@ -82,13 +82,15 @@ def test_the_table_says_joules_per_token_and_the_cost_with_and_without_the_draft
     draft = [result("chat", sample(100, 3.6, 720.0))]
     plain = [result("chat", sample(100, 1.8, 360.0))]
     table = format_table(bench(draft, plain, energy_sources=("rapl",), cost=COST))
-    assert "energy (rapl, over each whole request): 7.2 J/token with the draft, 3.6 J/token with no draft" in table
+    assert (
+        "energy (rapl, over each whole request): 7.2 J/token with speculation, 3.6 J/token with no speculation" in table
+    )
     assert (
         "cost per million generated tokens, in EUR (electricity at 0.3 EUR/kWh; hardware 3506.4 EUR over 4 years at "
         "100% use):" in table
     )
-    assert "  with the draft  0.6 electricity + 1 depreciation = 1.6" in table
-    assert "  no draft        0.3 electricity + 0.5 depreciation = 0.8" in table
+    assert "  with speculation  0.6 electricity + 1 depreciation = 1.6" in table
+    assert "  no speculation    0.3 electricity + 0.5 depreciation = 0.8" in table
 
 
 def test_energy_that_cannot_be_read_is_said_once_and_priced_at_nothing() -> None:
@@ -100,17 +102,21 @@ def test_energy_that_cannot_be_read_is_said_once_and_priced_at_nothing() -> None
     assert table.count("not measured") == 3  # once for the source, once in each price that needs it
     assert f"energy (rapl) not measured: {why}" in table
     assert "J/token" not in table
-    assert "  with the draft  electricity not measured + 1 depreciation" in table
+    assert "  with speculation  electricity not measured + 1 depreciation" in table
     assert "= " not in table.split("cost per million")[1]
     document = outcome.to_json()
     assert document["energy"] == {
         "sources": [],
         "not_measured": {"rapl": why},
-        "draft": {"joules": None, "seconds": 3.6, "tokens": 100, "joules_per_token": None},
-        "no_draft": {"joules": None, "seconds": 1.8, "tokens": 100, "joules_per_token": None},
+        "speculative": {"joules": None, "seconds": 3.6, "tokens": 100, "joules_per_token": None},
+        "no_speculation": {"joules": None, "seconds": 1.8, "tokens": 100, "joules_per_token": None},
     }
-    assert document["cost"]["per_million_tokens"]["draft"] == {"electricity": None, "depreciation": 1.0, "total": None}
-    assert document["workloads"][0]["draft"]["joules_per_token"] is None
+    assert document["cost"]["per_million_tokens"]["speculative"] == {
+        "electricity": None,
+        "depreciation": 1.0,
+        "total": None,
+    }
+    assert document["workloads"][0]["speculative"]["joules_per_token"] is None
 
 
 def test_without_a_cost_section_bench_prices_nothing() -> None:
@@ -118,4 +124,4 @@ def test_without_a_cost_section_bench_prices_nothing() -> None:
     outcome = bench(draft, [result("chat", sample(100, 1.8, 360.0))], energy_sources=("nvml", "rapl"))
     assert "cost per million" not in format_table(outcome)
     assert outcome.to_json()["cost"] is None
-    assert outcome.to_json()["workloads"][0]["draft"]["joules_per_token"] == pytest.approx(7.2)
+    assert outcome.to_json()["workloads"][0]["speculative"]["joules_per_token"] == pytest.approx(7.2)

@@ -4,6 +4,7 @@ sweep of the real server, and `tune --write` for real on a copy of the demo spec
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -15,26 +16,29 @@ import appliance.cli.main as cli
 from appliance.cli.commands import EXIT_USAGE
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
-from appliance.measure.config import BenchError, Config, configured, spec_values, valid
-from appliance.measure.report import format_report, updated_spec
+from appliance.measure.config import NO_SPECULATION, BenchError, Config, configured, spec_values, valid
 from appliance.measure.search import (
     N_MAX_GRID,
     Memo,
     Param,
+    Params,
     Value,
     default_params,
     descend,
     exhaustive,
     grid_configs,
     harmonic_mix,
+    ngram_params,
     single,
     tune,
 )
 from appliance.measure.tune import ServerMeasure, parse_grid, parse_workloads
+from appliance.measure.tune_report import format_report, updated_spec
 from appliance.plan.validate import validate
 from appliance.spec.load import parse_spec
 
-START = Config(True, 6, 0, 0.0)
+DRAFT = ("draft-simple",)
+START = Config(DRAFT, 6, 0, 0.0)
 DEMO = Path(__file__).resolve().parent.parent / "etc" / "llm-appliance" / "demo.toml"
 
 
@@ -49,6 +53,8 @@ class Landscape:
         assert config not in self.calls, f"{config} measured twice"
         assert config.n_min <= config.n_max, f"{config} is not a valid configuration"
         self.calls.append(config)
+        if not config.speculates:  # tune always measures no speculation; these landscapes are about drafts
+            return dict.fromkeys(self.rate(START), 1.0)
         return self.rate(config)
 
 
@@ -97,7 +103,7 @@ def test_a_direction_stops_at_the_first_slower_value() -> None:
 
 def test_upwards_gains_skip_the_other_direction_and_walk_on_to_the_top() -> None:
     landscape = Landscape(lambda c: {"code": 50 + c.n_max - 40 * c.p_min - c.n_min})
-    search = descend(single("code"), Config(True, 2, 0, 0.0), [default_params()[0]], Memo(landscape), 0.0)
+    search = descend(single("code"), Config(DRAFT, 2, 0, 0.0), [default_params()[0]], Memo(landscape), 0.0)
     assert search.best.n_max == 16
     assert [c.n_max for c in landscape.calls] == [2, 3, 4, 5, 6, 8, 10, 12, 16]  # never below the start
 
@@ -114,28 +120,101 @@ def test_within_tolerance_is_not_slower_so_a_plateau_is_crossed() -> None:
 
 def test_n_min_never_exceeds_n_max() -> None:
     landscape = Landscape(lambda c: {"code": 100 + c.n_min - c.n_max})
-    search = descend(single("code"), Config(True, 2, 2, 0.0), default_params(), Memo(landscape), 0.0)
+    search = descend(single("code"), Config(DRAFT, 2, 2, 0.0), default_params(), Memo(landscape), 0.0)
     assert all(c.n_min <= c.n_max for c in landscape.calls)
     assert search.best.n_min <= search.best.n_max
     assert all(c.n_min <= c.n_max for c in grid_configs(START, default_params()))
 
 
+NGRAM = ("ngram-mod",)
+BOTH = ("draft-simple", "ngram-mod")
+
+
+def by_type(config: Config) -> dict[str, float]:
+    """A machine like the demo's: n-gram lookup pays on edit (best with short matches), nothing pays on chat,
+    the draft costs everywhere; both together cost the draft's price."""
+    if not config.speculates:
+        return {"edit": 90.0, "chat": 115.0}
+    if config.types == NGRAM:
+        match = config.ngram_value("ngram-mod.n_match")
+        return {"edit": 150.0 - abs(match - 12), "chat": 110.0}
+    return {"edit": 50.0, "chat": 45.0}
+
+
+class Measured:
+    """A landscape that also answers for no speculation (Landscape's does not)."""
+
+    def __init__(self, rate: Callable[[Config], Mapping[str, float]]) -> None:
+        self.rate, self.calls = rate, list[Config]()
+
+    def __call__(self, config: Config) -> Mapping[str, float]:
+        assert config not in self.calls and valid(config), config
+        self.calls.append(config)
+        return self.rate(config)
+
+
+def test_the_type_is_chosen_by_measurement_per_workload_and_for_the_mix() -> None:
+    measured = Measured(by_type)
+    params = Params(default_params(), ngram_params())
+    result = tune(START, {"edit": 1.0, "chat": 1.0}, params, measured, 0.0, [(), DRAFT, NGRAM, BOTH])
+    # Every type measured once at its current values, none included, before any parameter moved.
+    assert measured.calls[:4] == [START, NO_SPECULATION, START.with_types(NGRAM), START.with_types(BOTH)]
+    assert result.profiles["edit"].types == NGRAM and result.profiles["edit"].ngram_value("ngram-mod.n_match") == 12
+    assert result.profiles["chat"] == NO_SPECULATION  # where nothing pays, its best is none
+    assert result.speedup(result.profiles["edit"], "edit") == pytest.approx(150 / 90)
+    assert result.choice.types == NGRAM  # the mix gains on edit more than it loses on chat
+    # The draft's values were never walked: the draft was no workload's best type.
+    assert all(not c.draft for c in measured.calls[4:])
+    report = format_report(result, DEMO, "suite-v2", 2, None)
+    edit_row = next(line for line in report.splitlines() if line.startswith("edit "))
+    assert "ngram-mod" in edit_row and "1.67x" in edit_row, edit_row
+    chat_row = next(line for line in report.splitlines() if line.startswith("chat "))
+    assert " none " in chat_row and "1.00x" in chat_row, chat_row
+    document = json.loads(json.dumps(result.to_json()))
+    assert document["profiles"]["edit"]["type"] == ["ngram-mod"] and document["profiles"]["chat"]["type"] == "none"
+    assert document["profiles"]["edit"]["speedup"] == pytest.approx(150 / 90, abs=1e-4)
+
+
+def test_none_is_the_answer_where_nothing_pays_and_write_says_so(tmp_path: Path) -> None:
+    measured = Measured(lambda c: {"chat": 100.0 if not c.speculates else 80.0 + c.n_max})
+    result = tune(START, {"chat": 1.0}, Params(default_params(), ngram_params()), measured, 0.0, [(), NGRAM])
+    assert result.choice == NO_SPECULATION and result.profiles["chat"] == NO_SPECULATION
+    report = format_report(result, DEMO, "suite-v2", 2, None)
+    assert 'the choice is type = "none"' in report
+    text = updated_spec(DEMO.read_text(), result, "suite-v2", "2026-12-04T00:00:00+00:00")
+    spec = parse_spec(text, tmp_path / "demo.toml").spec
+    assert spec.speculative.types == () and tomllib.loads(text)["speculative"]["type"] == "none"
+
+
+def test_an_ngram_configuration_maps_onto_its_own_table(tmp_path: Path) -> None:
+    spec = parse_spec(DEMO.read_text(), tmp_path / "demo.toml").spec
+    config = Config.of(spec).with_types(NGRAM).with_ngram("ngram-mod.n_match", 12)
+    assert spec_values(config)["speculative"] == {"type": "ngram-mod", "ngram_mod": {"n_match": 12}}
+    tuned = configured(spec, config)
+    assert tuned.speculative.types == NGRAM and tuned.speculative.ngram_mod is not None
+    assert tuned.speculative.ngram_mod.n_match == 12 and Config.of(tuned).ngram_value("ngram-mod.n_min") == 48
+    assert not valid(config.with_ngram("ngram-mod.n_min", 64).with_ngram("ngram-mod.n_max", 16))
+    assert parse_grid(["ngram-mod.n_match=8,16"]) == {"ngram-mod.n_match": [8, 16]}
+    with pytest.raises(BenchError):
+        parse_grid(["ngram-mod.size_n=2"])
+
+
 def test_a_configuration_maps_onto_the_spec_which_says_what_is_valid(tmp_path: Path) -> None:
     spec = parse_spec(DEMO.read_text(), tmp_path / "demo.toml").spec
-    config = Config(True, 4, 2, 0.4, draft_gpu_layers="all", draft_cache_type="q8_0")
+    config = Config(DRAFT, 4, 2, 0.4, draft_gpu_layers="all", draft_cache_type="q8_0")
     tuned = configured(spec, config)
     assert (tuned.speculative.n_max, tuned.speculative.n_min, tuned.speculative.p_min) == (4, 2, 0.4)
     assert tuned.models.draft is not None and tuned.models.draft.gpu_layers == "all"
     assert (tuned.models.draft.cache_type_k, tuned.models.draft.cache_type_v) == ("q8_0", "q8_0")
     assert tuned.models.target == spec.models.target and tuned.server == spec.server
     assert Config.of(tuned, draft_gpu_layers=True, draft_cache_type=True) == config
-    assert spec_values(Config(draft=False)) == {"speculative": {"type": "none"}}
-    assert configured(spec, Config(draft=False)).speculative.type == "none"
+    assert spec_values(NO_SPECULATION) == {"speculative": {"type": "none"}}
+    assert configured(spec, NO_SPECULATION).speculative.types == ()
     # The spec model's bounds and its n_min <= n_max check, not tune's own.
-    assert valid(Config(True, 2, 2, 0.0)) and not valid(Config(True, 2, 3, 0.0))
-    assert not valid(Config(True, 65, 0, 0.0)) and not valid(Config(True, 4, 0, 1.5))
+    assert valid(Config(DRAFT, 2, 2, 0.0)) and not valid(Config(DRAFT, 2, 3, 0.0))
+    assert not valid(Config(DRAFT, 65, 0, 0.0)) and not valid(Config(DRAFT, 4, 0, 1.5))
     with pytest.raises(BenchError, match=r"speculative\.n_max: Input should be less than or equal to 64"):
-        configured(spec, Config(True, 65, 0, 0.0))
+        configured(spec, Config(DRAFT, 65, 0, 0.0))
 
 
 def test_the_mix_is_tokens_over_time() -> None:
@@ -198,8 +277,13 @@ SWEEP_WORKLOADS = ["chat", "code", "prose-en"]
 def recorded_sweep() -> tuple[Config, list[Param], dict[Config, dict[str, float]]]:
     document = json.loads(SWEEP.read_text())
     params = default_params(document["grids"])
-    table = {Config(**entry["config"]): entry["decode_tps"] for entry in document["measured"]}
-    return Config(**document["start"]), params, table
+    table = {_sweep_config(entry["config"]): entry["decode_tps"] for entry in document["measured"]}
+    return _sweep_config(document["start"]), params, table
+
+
+def _sweep_config(recorded: dict[str, Any]) -> Config:
+    """A configuration as the sweep recorded it (the draft's values, before tune chose types)."""
+    return Config(DRAFT, recorded["n_max"], recorded["n_min"], recorded["p_min"])
 
 
 def test_the_search_lands_within_3_percent_of_a_recorded_exhaustive_sweep_with_fewer_measurements(
@@ -271,34 +355,43 @@ def record_sweep(path: Path = SWEEP, reps: int = 3, tokens: int = 32) -> None:
 def test_tune_writes_the_spec_and_the_baseline_for_real(
     example: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    spec = example("demo.toml")
+    spec = example("demo-draft.toml")
     original = spec.read_text()
     baseline = tmp_path / "baseline.json"
-    argv = ["tune", str(spec), "--workload", "code=2,chat", "--grid", "n_max=4,8", "--grid", "n_min=0"]
-    argv += ["--grid", "p_min=0", "--reps", "1", "--tokens", "12", "--write", "--baseline", str(baseline)]
+    argv = ["tune", str(spec), "--workload", "code=2,chat", "--types", "none,draft-simple,ngram-mod"]
+    argv += ["--grid", "n_max=4,8", "--grid", "n_min=0", "--grid", "p_min=0", "--grid", "ngram-mod.n_match=24"]
+    argv += ["--grid", "ngram-mod.n_min=48", "--grid", "ngram-mod.n_max=64"]
+    argv += ["--reps", "1", "--tokens", "12", "--write", "--baseline", str(baseline)]
     code = cli.main(argv)
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "+[tuning]" in out and "wrote" in out  # the diff is shown, then written
-    assert "loss by sharing" in out and "no draft" in out
+    assert "loss by sharing" in out and "best type" in out
     text = spec.read_text()
     comments = [line for line in original.splitlines() if "#" in line]
     assert all(line in text.splitlines() for line in comments), "comments were lost"
     written = tomllib.loads(text)
-    assert written["speculative"]["n_max"] in (4, 8) and written["speculative"]["type"] == "draft-simple"
+    document = json.loads(baseline.read_text())
+    # Whatever was measured fastest is written, none included, and the report names each workload's best type.
+    chosen = written["speculative"]["type"]
+    assert chosen in ("none", "draft-simple", "ngram-mod"), chosen
+    assert document["speculative"]["type"] == chosen
+    if chosen == "draft-simple":
+        assert written["speculative"]["n_max"] in (4, 8)
     assert written["tuning"]["workloads"] == {"code": 2.0, "chat": 1.0}
     assert set(written["tuning"]["profiles"]) == {"code", "chat"}
-    for profile in written["tuning"]["profiles"].values():
-        assert profile["n_max"] in (4, 8) and profile["decode_tps"] > 0
+    for name, profile in written["tuning"]["profiles"].items():
+        assert profile["type"] in ("none", "draft-simple", "ngram-mod") and profile["decode_tps"] > 0
+        row = next(line for line in out.splitlines() if line.startswith(f"{name} "))
+        assert profile["type"] in row and re.search(r"\d\.\d\dx", row), row  # its best type and speedup
     validate(spec)  # the written spec is valid
 
-    document = json.loads(baseline.read_text())
-    assert document["speculative"]["n_max"] == written["speculative"]["n_max"]
     assert set(document["profiles"]) == {"code", "chat"}
     read = versions.Baseline.read(baseline)
     assert read is not None
     assert set(read.decode_tps) == {"workload:code", "workload:chat", CANARY_BUCKET}
     assert all(rate > 0 for rate in read.decode_tps.values())
+    assert set(document["no_speculation_tps"]) == {"workload:code", "workload:chat", CANARY_BUCKET}
 
 
 @pytest.mark.engine

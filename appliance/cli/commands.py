@@ -345,6 +345,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         result,
         workloads=args.workload,
         grids=args.grid,
+        types=args.types,
         draft_gpu_layers=args.draft_gpu_layers,
         draft_cache_types=args.draft_cache_type,
         reps=args.reps,

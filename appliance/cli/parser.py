@@ -224,7 +224,8 @@ def _measure_commands(command: Command) -> None:
     p = command(
         "tune",
         cmd_tune,
-        "sweep n_max, n_min, p_min one at a time with bench; keep the best per workload and for the mix",
+        "choose how to speculate by measurement: the type (none, the draft, n-gram lookup), then its values one at "
+        "a time with bench; keep the best per workload and for the mix",
     )
     p.add_argument("spec", type=Path)
     _measure_options(p, reps=3)
@@ -232,7 +233,17 @@ def _measure_commands(command: Command) -> None:
         "--workload", help="the mix to tune for, e.g. code=2,chat=1 (default: [tuning].workloads, else all equally)"
     )
     p.add_argument(
-        "--grid", action="append", default=[], metavar="PARAM=V,V", help="values to try, e.g. n_max=2,4,8 (repeatable)"
+        "--types",
+        metavar="T,T",
+        help="the speculation types to try, + for a combination, e.g. none,ngram-mod,draft-simple+ngram-mod "
+        "(default: none, ngram-mod, ngram-simple, and with a draft model draft-simple and draft-simple+ngram-mod)",
+    )
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="PARAM=V,V",
+        help="values to try, e.g. n_max=2,4,8 or ngram-mod.n_match=8,16 (repeatable)",
     )
     p.add_argument(
         "--draft-gpu-layers",

@@ -1,9 +1,11 @@
-"""`llm-appliance bench`: measure the speculative server against a no-draft baseline, on a fixed prompt suite.
+"""`llm-appliance bench`: measure the speculative server against no speculation, on a fixed prompt suite.
 
 Speculative settings are server-wide (the current llama-server compiles its per-request fields out), so
 every configuration measured is its own llama-server process: the spec's plan rebuilt with other
 speculative values (or none), on a free loopback port, started, measured, stopped. Without `--standalone`
-the with-draft numbers come from the running appliance and only the baseline gets a server of its own.
+the speculative numbers come from the running appliance and only the baseline gets a server of its own.
+Both sides get the same prompts; since greedy speculation should not change an answer, each workload says
+whether the two sides' answers were the same.
 
 Every figure comes from the server's own `timings`, except time to first token: the wall time from
 sending the (streamed) request to the first chunk with content, measured here. Mean accepted length is
@@ -24,7 +26,7 @@ from typing import Any, TextIO
 
 from appliance.facts.energy import Energy, meters_for
 from appliance.facts.gpu import Pynvml
-from appliance.measure.config import NO_DRAFT, BenchError, BenchUsage, Config
+from appliance.measure.config import NO_SPECULATION, BenchError, BenchUsage, Config
 from appliance.measure.measure import Progress, WorkloadResult, measure
 from appliance.measure.report import BenchResult, Side, chart_rows, format_table, now, write_baseline
 from appliance.measure.server import LOAD_TIMEOUT, TempServer
@@ -57,9 +59,9 @@ class _Run:
         return results, measure(api, self.canary.get(api), self.reps, pid, self.progress, n_max=n_max)[CANARY]
 
     def standalone(self, config: Config) -> Measured:
-        self.progress.phase(f"starting llama-server with the draft ({config.label()})")
+        self.progress.phase(f"starting llama-server with {config.label()}")
         with TempServer(self.validated, config, self.load_timeout) as server:
-            self.progress.phase(f"with draft ({config.label()})")
+            self.progress.phase(config.label())
             return self.side(server.api, server.pid, config)
 
     def running(self, config: Config) -> tuple[str, Measured]:
@@ -67,12 +69,11 @@ class _Run:
         self.progress.phase(f"the running appliance at {url} ({config.label()})")
         return url, self.side(api, None, config)
 
-    def baseline(self) -> dict[str, WorkloadResult]:
-        self.progress.phase("starting llama-server without the draft (baseline)")
-        with TempServer(self.validated, NO_DRAFT, self.load_timeout) as server:
-            self.progress.phase("no draft (baseline)")
-            requests = self.prepared.get(server.api)
-            return measure(server.api, requests, self.reps, server.pid, self.progress, energy=self.energy)
+    def baseline(self) -> Measured:
+        self.progress.phase("starting llama-server without speculation (baseline)")
+        with TempServer(self.validated, NO_SPECULATION, self.load_timeout) as server:
+            self.progress.phase("no speculation (baseline)")
+            return self.side(server.api, server.pid, NO_SPECULATION)
 
 
 def appliance_api(appliance: Appliance) -> tuple[str, ServerApi]:
@@ -104,20 +105,20 @@ def run_bench(
     spec = validated.plan.spec
     suite = suite or load_suite()
     appliance = resolve(validated.plan, spec_path)
-    config = Config.of(spec) if appliance.draft_in_use else NO_DRAFT
-    prepared = Prepared(suite.workloads, tokens, appliance.slot_ctx)
+    config = Config.of(spec) if validated.plan.speculation else NO_SPECULATION
+    prepared = Prepared(suite.workloads, tokens, appliance.slot_ctx, suite.stop_at_eos)
     canary = Prepared([canary_workload()], None, prepared.slot_ctx) if with_canary else None
     progress = progress or Progress(enabled=False)
-    progress.total = (2 * len(suite.workloads) + (1 if with_canary else 0)) * reps
+    progress.total = 2 * (len(suite.workloads) + (1 if with_canary else 0)) * reps
     # The server's GPUs through NVML and the CPUs through RAPL, each read around every request where it can be.
     energy = energy if energy is not None else Energy(meters_for(appliance.server_devices, Pynvml()))
     run = _Run(validated, appliance, prepared, canary, reps, progress, load_timeout, energy)
     url: str | None = None
     if standalone:
-        draft_results, canary_result = run.standalone(config)
+        speculative, canary_result = run.standalone(config)
     else:
-        url, (draft_results, canary_result) = run.running(config)
-    baseline_results = run.baseline()
+        url, (speculative, canary_result) = run.running(config)
+    no_speculation, canary_no_speculation = run.baseline()
     progress.close()
     return BenchResult(
         spec=spec_path,
@@ -125,9 +126,10 @@ def run_bench(
         mode="standalone" if standalone else "appliance",
         reps=reps,
         tokens=tokens,
-        draft=Side(config.label(), config, url, draft_results),
-        baseline=Side(NO_DRAFT.label(), NO_DRAFT, None, baseline_results),
+        speculative=Side(config.label(), config, url, speculative),
+        no_speculation=Side(NO_SPECULATION.label(), NO_SPECULATION, None, no_speculation),
         canary=canary_result,
+        canary_no_speculation=canary_no_speculation,
         measured_at=now(),
         energy_sources=energy.sources,
         energy_unreadable=dict(energy.unreadable),
@@ -160,8 +162,8 @@ def main_bench(
     if chart is not None:
         from appliance.measure.chart import draw_bench_chart
 
-        title = f"{spec_path.name}: decode tok/s with and without the draft ({result.suite}, median of {reps})"
-        draw_bench_chart(chart, title, chart_rows(result), (f"draft: {result.draft.label}", "no draft"))
+        title = f"{spec_path.name}: decode tok/s with and without speculation ({result.suite}, median of {reps})"
+        draw_bench_chart(chart, title, chart_rows(result), (result.speculative.config.type_label(), "none"))
         result.chart = chart
     written = _write_baseline(baseline, result, tokens, reps) if baseline is not None else None
     if as_json:
@@ -178,16 +180,17 @@ def main_bench(
 
 
 def _write_baseline(path: Path, result: BenchResult, tokens: int | None, reps: int) -> Path | None:
-    """The with-draft rates as the health daemon's baseline; None (and why, on stderr) when it cannot be written."""
+    """The speculative rates as the health daemon's baseline, beside the rates without speculation (what the
+    daemon's speedup is measured against); None (and why, on stderr) when it cannot be written."""
     details: dict[str, Any] = {
         "measured_by": "llm-appliance bench",
         "suite": result.suite,
-        "speculative": result.draft.config.to_json(),
+        "speculative": result.speculative.config.to_json(),
         "tokens": tokens,
         "reps": reps,
     }
     try:
-        write_baseline(path, result.decode_rates(), details)
+        write_baseline(path, result.decode_rates(), details, no_speculation=result.no_speculation_rates())
     except OSError as exc:
         print(f"bench: cannot write the baseline {path}: {exc}; run as root, or pass --baseline PATH", file=sys.stderr)
         return None

@@ -99,7 +99,7 @@ def energy_lines(sources: tuple[str, ...], unreadable: Mapping[str, str], usages
     lines = []
     if sources:
         rates = ", ".join(
-            f"{_figure(usage.joules_per_token, '.3g')} J/token {'with no draft' if side == 'no draft' else side}"
+            f"{_figure(usage.joules_per_token, '.3g')} J/token {'with no speculation' if side == 'no speculation' else side}"
             for side, usage in usages.items()
         )
         lines.append(f"energy ({' + '.join(sources)}, over each whole request): {rates}")

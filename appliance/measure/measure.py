@@ -41,6 +41,7 @@ class Sample:
     others_cpu: float | None = None
     seconds: float | None = None  # the request's wall time, as the client saw it
     joules: float | None = None  # what the readable meters counted over that time; None: nothing read
+    text: str = ""  # the answer, to tell whether speculation changed it (greedy speculation should not)
 
     @property
     def contended(self) -> bool:
@@ -145,8 +146,11 @@ class WorkloadResult:
         }
 
 
-def _stream(api: ServerApi, path: str, body: dict[str, Any], timeout: float) -> tuple[float | None, dict[str, Any]]:
-    """Send a streamed request; (seconds to the first chunk with content, the chunk carrying `timings`)."""
+def _stream(
+    api: ServerApi, path: str, body: dict[str, Any], timeout: float
+) -> tuple[float | None, dict[str, Any], str]:
+    """Send a streamed request; (seconds to the first chunk with content, the chunk carrying `timings`, the
+    answer's text)."""
     headers = {"Content-Type": "application/json"}
     if api.api_key:
         headers["Authorization"] = f"Bearer {api.api_key}"
@@ -154,6 +158,7 @@ def _stream(api: ServerApi, path: str, body: dict[str, Any], timeout: float) -> 
     started = time.perf_counter()
     first: float | None = None
     final: dict[str, Any] | None = None
+    parts: list[str] = []
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             for raw in response:
@@ -166,8 +171,10 @@ def _stream(api: ServerApi, path: str, body: dict[str, Any], timeout: float) -> 
                 chunk: dict[str, Any] = json.loads(payload)
                 if "error" in chunk:
                     raise BenchError(f"{api.base_url}{path}: {chunk['error']}")
-                if first is None and _content(chunk):
+                content = _content(chunk)
+                if first is None and content:
                     first = time.perf_counter() - started
+                parts.append(content)
                 if "timings" in chunk:
                     final = chunk
     except urllib.error.HTTPError as exc:
@@ -176,14 +183,14 @@ def _stream(api: ServerApi, path: str, body: dict[str, Any], timeout: float) -> 
         raise BenchError(f"{api.base_url}{path}: {getattr(exc, 'reason', exc)}") from None
     if final is None:
         raise BenchError(f"{api.base_url}{path} streamed no timings (is this llama-server?)")
-    return first, final
+    return first, final, "".join(parts)
 
 
-def _content(chunk: dict[str, Any]) -> bool:
+def _content(chunk: dict[str, Any]) -> str:
     if chunk.get("content"):
-        return True
+        return str(chunk["content"])
     choices = chunk.get("choices") or [{}]
-    return bool((choices[0].get("delta") or {}).get("content"))
+    return str((choices[0].get("delta") or {}).get("content") or "")
 
 
 def _metrics(api: ServerApi) -> dict[str, float] | None:
@@ -197,7 +204,7 @@ def run_request(api: ServerApi, request: Request, pid: int | None = None, energy
     before, cpu_before = _metrics(api), CpuTimes.read(pid)
     joules_before, started = energy.joules() if energy else None, time.perf_counter()
     if request.workload.stream:
-        ttft, answer = _stream(api, request.path, request.body, REQUEST_TIMEOUT)
+        ttft, answer, text = _stream(api, request.path, request.body, REQUEST_TIMEOUT)
         ttft_ms: float | None = ttft * 1000 if ttft is not None else None
     else:
         try:
@@ -209,7 +216,7 @@ def run_request(api: ServerApi, request: Request, pid: int | None = None, energy
             )
         except ServerUnreachable as exc:
             raise BenchError(str(exc)) from None
-        ttft_ms = None
+        ttft_ms, text = None, str(answer.get("content", ""))
     seconds, joules_after = time.perf_counter() - started, energy.joules() if energy else None
     cpu_after, after = CpuTimes.read(pid), _metrics(api)
     try:
@@ -229,6 +236,7 @@ def run_request(api: ServerApi, request: Request, pid: int | None = None, energy
             others_cpu=others_share(cpu_before, cpu_after),
             seconds=seconds,
             joules=joules_after - joules_before if joules_after is not None and joules_before is not None else None,
+            text=text,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise BenchError(f"{api.base_url}{request.path}: no usable timings in the answer ({exc})") from None
@@ -309,3 +317,41 @@ def measure(
             if progress:
                 progress.advance(f"{request.workload.name} {rep + 1}/{reps}")
     return results
+
+
+@dataclass(frozen=True)
+class OutputMatch:
+    """Whether speculation changed the answers: each repetition's text with speculation against the same
+    repetition's without. Greedy speculation should change nothing; a difference is shown, never hidden (on a
+    CPU a batched verification can round differently, and one flipped greedy token changes the rest)."""
+
+    compared: int
+    matched: int
+    at: int | None = None  # the first differing character of the first differing pair
+    speculative: str = ""  # the texts around it
+    no_speculation: str = ""
+
+    @property
+    def identical(self) -> bool:
+        return self.compared > 0 and self.matched == self.compared
+
+    @classmethod
+    def of(cls, speculative: WorkloadResult, no_speculation: WorkloadResult) -> OutputMatch:
+        pairs = [(a.text, b.text) for a, b in zip(speculative.samples, no_speculation.samples, strict=False)]
+        matched = sum(1 for a, b in pairs if a == b)
+        differing = next(((a, b) for a, b in pairs if a != b), None)
+        if differing is None:
+            return cls(len(pairs), matched)
+        a, b = differing
+        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        return cls(len(pairs), matched, at, a[max(0, at - 20) : at + 40], b[max(0, at - 20) : at + 40])
+
+    def to_json(self) -> dict[str, Any]:
+        document: dict[str, Any] = {"identical": self.identical, "compared": self.compared, "matched": self.matched}
+        if self.at is not None:
+            document["first_difference"] = {
+                "at": self.at,
+                "speculative": self.speculative,
+                "no_speculation": self.no_speculation,
+            }
+        return document

@@ -2,12 +2,15 @@
 workload) is handed in, so the search runs as well on a made-up landscape or a recorded sweep as on the
 real server.
 
-The search is coordinate descent: for n_max, then n_min, then p_min (then the draft's gpu layers and cache
-type when asked), start at the current value, walk the grid upwards while it is not slower, downwards only
-when upwards did not help, stop a direction at the first slower value; every configuration is measured
-once (all workloads at each start) and remembered, and the best measured configuration wins. It runs for
-the workload mix (the weighted harmonic mean of the rates) and for each workload alone, sharing what was
-measured. A configuration is a candidate only when the spec would accept it (`config.valid`).
+First the type: each candidate (none, the draft, ngram-mod, ngram-simple, the draft with ngram-mod) is
+measured at its current values. Then that type's own parameters, by coordinate descent: for each (the
+draft's n_max, n_min, p_min, gpu layers and cache type; an n-gram type's sizes), start at the current value,
+walk the grid upwards while it is not slower, downwards only when upwards did not help, stop a direction at
+the first slower value. Every configuration is measured once (all workloads at each start) and remembered,
+and the best measured configuration wins, "none" included: where nothing pays, the answer is none. The
+descent runs from the best type of the workload mix (the weighted harmonic mean of the rates) and of each
+workload whose best type differs, sharing what was measured. A configuration is a candidate only when the
+spec would accept it (`config.valid`).
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from appliance.measure.config import BenchError, Config, valid
+from appliance.measure.config import NO_SPECULATION, BenchError, Config, valid
 from appliance.spec.model import CACHE_BYTES
 
 Value = int | float | str
-ParamName = Literal["n_max", "n_min", "p_min", "draft_gpu_layers", "draft_cache_type"]
+# The draft's values by name; an n-gram type's as "ngram-mod.n_match".
+ParamName = str
 Rates = Mapping[str, float]  # workload -> decode tok/s (median)
 Measure = Callable[[Config], Rates]
 Objective = Callable[[Rates], float]
@@ -31,6 +35,15 @@ N_MIN_GRID: tuple[Value, ...] = (0, 1, 2, 3, 4, 6, 8)
 P_MIN_GRID: tuple[Value, ...] = (0.0, 0.2, 0.4, 0.6, 0.8)
 # Largest to smallest, so a walk along the grid goes one way in size.
 CACHE_ORDER = tuple(CACHE_BYTES)
+# Around llama-server's defaults (ngram-mod 24/48/64, the others 12/48/1), shorter matches included: a
+# small model's answers repeat short spans of the request.
+NGRAM_GRIDS: dict[str, dict[str, tuple[Value, ...]]] = {
+    "ngram-mod": {"n_match": (8, 12, 16, 24, 32), "n_min": (4, 8, 16, 32, 48), "n_max": (16, 32, 48, 64)},
+    **{
+        kind: {"size_n": (2, 3, 4, 6, 8, 12), "size_m": (8, 16, 32, 48), "min_hits": (1, 2, 3)}
+        for kind in ("ngram-simple", "ngram-map-k", "ngram-map-k4v")
+    },
+}
 TOLERANCE = 0.02  # a value within 2% of the best is not "slower": the walk goes on across a plateau
 
 
@@ -47,13 +60,21 @@ class Param:
     name: ParamName
     grid: tuple[Value, ...]
 
+    @property
+    def ngram(self) -> bool:
+        return "." in self.name
+
     def value(self, config: Config) -> Value:
+        if self.ngram:
+            return config.ngram_value(self.name)
         value: Value | None = getattr(config, self.name)
         if value is None:
             raise BenchError(f"the start configuration has no {self.name}")
         return value
 
     def apply(self, config: Config, value: Value) -> Config:
+        if self.ngram:
+            return config.with_ngram(self.name, int(value))
         if self.name == "n_max":
             return replace(config, n_max=int(value))
         if self.name == "n_min":
@@ -89,6 +110,33 @@ def default_params(
     if draft_cache_types:
         params.append(Param("draft_cache_type", tuple(draft_cache_types)))
     return params
+
+
+def ngram_params(grids: Mapping[str, Sequence[Value]] | None = None) -> dict[str, list[Param]]:
+    """Each n-gram type's parameters with their grids ("ngram-mod.n_match" in `grids` replaces one)."""
+    grids = grids or {}
+    return {
+        kind: [Param(f"{kind}.{name}", tuple(grids.get(f"{kind}.{name}", grid))) for name, grid in own.items()]
+        for kind, own in NGRAM_GRIDS.items()
+    }
+
+
+@dataclass(frozen=True)
+class Params:
+    """Which parameters the descent walks for a configuration: the draft's when it drafts, and each n-gram
+    type's that it runs."""
+
+    draft: list[Param]
+    ngram: dict[str, list[Param]]
+
+    def of(self, config: Config) -> list[Param]:
+        found = list(self.draft) if config.draft else []
+        for kind in config.types:
+            found += self.ngram.get(kind, [])
+        return found
+
+    def all(self) -> list[Param]:
+        return [*self.draft, *(p for params in self.ngram.values() for p in params)]
 
 
 class Memo:
@@ -198,15 +246,19 @@ class TuneResult:
     weights: dict[str, float]
     params: list[Param]
     table: dict[Config, Rates]  # every configuration measured, in order
-    searches: dict[str, Search]  # "mix" and each workload
+    searches: dict[str, Search]  # "mix" and each workload whose best type differs from the mix's
     choice: Config
     profiles: dict[str, Config]
     grid_size: int
-    no_draft: Rates | None = None
+    candidates: list[Config] = field(default_factory=list)  # the type phase: each type at its current values
 
     @property
     def measurements(self) -> int:
         return len(self.table)
+
+    @property
+    def no_speculation(self) -> Rates | None:
+        return self.table.get(NO_SPECULATION)
 
     def rate(self, config: Config, workload: str) -> float:
         return self.table[config].get(workload, 0.0)
@@ -214,11 +266,26 @@ class TuneResult:
     def mix(self, config: Config) -> float:
         return harmonic_mix(self.weights)(self.table[config])
 
+    def speedup(self, config: Config, workload: str | None = None) -> float | None:
+        """A configuration's rate over no speculation's, for a workload or (None) the mix."""
+        none = self.no_speculation
+        if none is None:
+            return None
+        base = harmonic_mix(self.weights)(none) if workload is None else none.get(workload, 0.0)
+        now = self.mix(config) if workload is None else self.rate(config, workload)
+        return now / base if base else None
+
     def to_json(self) -> dict[str, Any]:
         mix = harmonic_mix(self.weights)
+
+        def gain(config: Config, workload: str | None = None) -> float | None:
+            speedup = self.speedup(config, workload)
+            return round(speedup, 4) if speedup is not None else None
+
         return {
             "weights": self.weights,
             "objective": "weighted harmonic mean of decode tok/s (total tokens / total time)",
+            "types": [c.type_label() for c in self.candidates],
             "grids": {p.name: list(p.grid) for p in self.params},
             "measurements": self.measurements,
             "exhaustive_size": self.grid_size,
@@ -227,11 +294,13 @@ class TuneResult:
                 **self.choice.to_json(),
                 "mix_tps": round(self.mix(self.choice), 3),
                 "gain": round(self.mix(self.choice) / self.mix(self.start) - 1, 4) if self.mix(self.start) else None,
+                "speedup": gain(self.choice),
             },
             "profiles": {
                 name: {
                     **config.to_json(),
                     "decode_tps": round(self.rate(config, name), 3),
+                    "speedup": gain(config, name),
                     "spec_tps": round(self.rate(self.start, name), 3),
                     "shared_tps": round(self.rate(self.choice, name), 3),
                 }
@@ -245,34 +314,37 @@ class TuneResult:
                 }
                 for config, rates in self.table.items()
             ],
-            "no_draft": {k: round(v, 3) for k, v in self.no_draft.items()} if self.no_draft else None,
+            "no_speculation": {k: round(v, 3) for k, v in self.no_speculation.items()} if self.no_speculation else None,
         }
 
 
 def tune(
     start: Config,
     weights: Mapping[str, float],
-    params: Sequence[Param],
+    params: Params | Sequence[Param],
     measure: Measure,
     tolerance: float = TOLERANCE,
-    no_draft: Rates | None = None,
+    types: Sequence[tuple[str, ...]] = (),
 ) -> TuneResult:
-    """The search for the mix, then for each workload, sharing one memo; the best measured configuration
-    for the mix is the choice, each workload's best measured one its profile."""
+    """The type phase (the start's types, `types`, and none, each at the start's values), then the descent
+    of the best type's parameters for the mix and for each workload whose best type differs, sharing one
+    memo; the best measured configuration for the mix is the choice, each workload's best measured one its
+    profile. Without `types`, only the start's own type is searched (and none measured beside it)."""
+    walk = params if isinstance(params, Params) else Params(list(params), {})
     memo = Memo(measure)
-    searches = {"mix": descend(harmonic_mix(weights), start, params, memo, tolerance)}
-    for name in weights:
-        searches[name] = descend(single(name), start, params, memo, tolerance)
+    candidates = [start.with_types(t) for t in dict.fromkeys([start.types, *types, ()])]
+    for candidate in candidates:
+        memo(candidate)
+    objectives = {"mix": harmonic_mix(weights), **{name: single(name) for name in weights}}
+    searches: dict[str, Search] = {}
+    descended: set[tuple[str, ...]] = set()
+    for name, objective in objectives.items():
+        base, _ = best_of({c: memo.table[c] for c in candidates}, objective)
+        if base.types in descended:
+            continue
+        descended.add(base.types)
+        searches[name] = descend(objective, base, walk.of(base), memo, tolerance)
     choice, _ = best_of(memo.table, harmonic_mix(weights))
     profiles = {name: best_of(memo.table, single(name))[0] for name in weights}
-    return TuneResult(
-        start,
-        dict(weights),
-        list(params),
-        memo.table,
-        searches,
-        choice,
-        profiles,
-        len(grid_configs(start, params)),
-        no_draft,
-    )
+    grid_size = sum(len(grid_configs(c, walk.of(c))) for c in candidates)
+    return TuneResult(start, dict(weights), walk.all(), memo.table, searches, choice, profiles, grid_size, candidates)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from appliance.measure.config import BenchError, BenchUsage
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 
-SUITE = "suite-v1.json"
+SUITE = "suite-v2.json"
 CHAT_MARGIN = 64  # tokens the chat template and the question add around a long document
 CANARY = "canary"
 
@@ -39,6 +39,9 @@ class Workload:
 class Suite:
     version: str
     workloads: tuple[Workload, ...]
+    # Natural answers: each request ends at the model's end of answer (or max_tokens). suite-v1 decoded exactly
+    # max_tokens (ignore_eos), and what a tiny greedy model writes after its answer is a loop n-grams accept.
+    stop_at_eos: bool = False
 
     @property
     def names(self) -> list[str]:
@@ -50,7 +53,7 @@ class Suite:
         unknown = [n for n in names if n not in self.names]
         if unknown:
             raise BenchUsage(f"no workload {', '.join(unknown)} in {self.version}; it has {', '.join(self.names)}")
-        return Suite(self.version, tuple(w for w in self.workloads if w.name in names))
+        return Suite(self.version, tuple(w for w in self.workloads if w.name in names), self.stop_at_eos)
 
 
 def load_suite(path: Path | None = None) -> Suite:
@@ -70,7 +73,7 @@ def load_suite(path: Path | None = None) -> Suite:
             )
             for w in data["workloads"]
         )
-        return Suite(str(data["version"]), workloads)
+        return Suite(str(data["version"]), workloads, bool(data.get("stop_at_eos", False)))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"cannot read the prompt suite {path or SUITE}: {exc}") from None
 
@@ -136,9 +139,18 @@ class Request:
     prompt_tokens: int | None
 
 
-def prepare(workload: Workload, max_tokens: int, slot_ctx: int, count: Callable[[str], int]) -> Request:
-    """The request for a workload, within one slot's context (a long document is cut to fit)."""
-    common: dict[str, Any] = {"temperature": 0, "ignore_eos": True, "cache_prompt": False, "stream": workload.stream}
+def prepare(
+    workload: Workload, max_tokens: int, slot_ctx: int, count: Callable[[str], int], stop_at_eos: bool = False
+) -> Request:
+    """The request for a workload, within one slot's context (a long document is cut to fit). The canary is
+    sent as the health daemon sends it: exactly its tokens, whatever the suite."""
+    ignore_eos = workload.name == CANARY or not stop_at_eos
+    common: dict[str, Any] = {
+        "temperature": 0,
+        "ignore_eos": ignore_eos,
+        "cache_prompt": False,
+        "stream": workload.stream,
+    }
     prompt_tokens: int | None = None
     if workload.document is not None:
         text, prompt_tokens = fit_document(workload.document, slot_ctx - max_tokens - CHAT_MARGIN, count)
@@ -164,8 +176,11 @@ class Prepared:
     """Requests built once per run (the long document sized on the first server), so every configuration
     gets exactly the same prompts."""
 
-    def __init__(self, workloads: Sequence[Workload], tokens: int | None, slot_ctx: int) -> None:
+    def __init__(
+        self, workloads: Sequence[Workload], tokens: int | None, slot_ctx: int, stop_at_eos: bool = False
+    ) -> None:
         self.workloads = list(workloads)
+        self.stop_at_eos = stop_at_eos
         self.tokens = tokens
         self.slot_ctx = slot_ctx
         self.requests: dict[str, Request] = {}
@@ -176,7 +191,7 @@ class Prepared:
             count = token_counter(api)
             for w in self.workloads:
                 tokens = w.max_tokens if self.tokens is None or w.name == CANARY else min(self.tokens, w.max_tokens)
-                self.requests[w.name] = prepare(w, tokens, slot_ctx, count)
+                self.requests[w.name] = prepare(w, tokens, slot_ctx, count, self.stop_at_eos)
         return [self.requests[w.name] for w in self.workloads]
 
 

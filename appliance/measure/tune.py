@@ -1,8 +1,10 @@
-"""`llm-appliance tune`: one speculative parameter at a time, measured with bench, the best kept.
+"""`llm-appliance tune`: how to speculate, chosen by measurement: the type (none, the draft, n-gram lookup, both),
+then that type's parameters one at a time, measured with bench, the best kept.
 
 llama-server applies one set of speculative values to every request (its per-request fields sit under
 `#if 0`), so each configuration is a server start, and the values written are the best for the workload
-mix the user names; each workload's own best is kept as a profile, with what it loses by sharing.
+mix the user names; each workload's own best is kept as a profile, with what it loses by sharing. Where
+nothing beats no speculation, the answer is `type = "none"`.
 
 This module glues the others together: the options parsed (their bounds are the spec model's), the search
 (search.py) run on real servers (`ServerMeasure`: server.py and measure.py), the report, the rewritten
@@ -19,12 +21,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from appliance.measure.config import NO_DRAFT, BenchError, BenchUsage, Config, bounds
+from appliance.measure.config import NGRAM_PARAMS, NO_SPECULATION, BenchError, BenchUsage, Config, bounds
 from appliance.measure.measure import Progress, WorkloadResult, measure
-from appliance.measure.report import format_report, now, profile_values, updated_spec, write_baseline, write_spec
-from appliance.measure.search import CACHE_ORDER, Param, Rates, TuneResult, Value, default_params, tune
+from appliance.measure.report import now, write_baseline
+from appliance.measure.search import CACHE_ORDER, Params, Rates, TuneResult, Value, default_params, ngram_params, tune
 from appliance.measure.server import TempServer
 from appliance.measure.suite import CANARY, Prepared, canary_workload, load_suite
+from appliance.measure.tune_report import format_report, profile_values, updated_spec, write_spec
 from appliance.plan.budget import KV_CELL_PAD
 from appliance.plan.fit import ctx_cap, largest_fits
 from appliance.plan.plan import plan
@@ -49,7 +52,7 @@ class ServerMeasure:
         self.suite = load_suite(suite_file).select(workloads)
         self.reps = reps
         self.progress = progress or Progress(enabled=False)
-        self.prepared = Prepared(list(self.suite.workloads), tokens, spec.server.slot_ctx)
+        self.prepared = Prepared(list(self.suite.workloads), tokens, spec.server.slot_ctx, self.suite.stop_at_eos)
         self.results: dict[Config, dict[str, WorkloadResult]] = {}
         self.starts = 0
 
@@ -67,12 +70,6 @@ class ServerMeasure:
             )
         self.results[config] = found
         return {name: r.decode.median for name, r in found.items() if r.decode}
-
-    def no_draft(self) -> Rates:
-        """The workloads without the draft, for comparison; not a configuration of the search."""
-        rates = self(NO_DRAFT)
-        self.results.pop(NO_DRAFT)
-        return rates
 
     def canary(self, config: Config) -> WorkloadResult:
         self.starts += 1
@@ -106,22 +103,49 @@ def parse_workloads(text: str | None, default: Mapping[str, float], names: Seque
     return weights
 
 
+NGRAM_GRID_NAMES = [f"{kind}.{name}" for kind, names in NGRAM_PARAMS.items() for name in names]
+
+
 def parse_grid(items: Sequence[str]) -> dict[str, list[Value]]:
-    """`--grid n_max=2,4,8 --grid p_min=0,0.5`; each value within the spec's bounds for its field."""
+    """`--grid n_max=2,4,8 --grid p_min=0,0.5 --grid ngram-mod.n_match=8,16`; each value within the spec's
+    bounds for its field (an n-gram size is at least 1)."""
     grids: dict[str, list[Value]] = {}
     for item in items:
         name, _, values = item.partition("=")
-        if name not in ("n_max", "n_min", "p_min") or not values:
-            raise BenchUsage(f"--grid {item!r}: write n_max=2,4,8 (n_max, n_min or p_min)")
+        if name not in ("n_max", "n_min", "p_min", *NGRAM_GRID_NAMES) or not values:
+            raise BenchUsage(
+                f"--grid {item!r}: write n_max=2,4,8 (n_max, n_min, p_min, or an n-gram type's: "
+                f"{', '.join(NGRAM_GRID_NAMES)})"
+            )
         try:
             parsed: list[Value] = [float(v) if name == "p_min" else int(v) for v in values.split(",")]
         except ValueError:
             raise BenchUsage(f"--grid {item!r}: the values must be numbers") from None
-        low, high = bounds(name)
+        low, high = bounds(name) if "." not in name else (1, 1024)
         if any(not low <= float(v) <= high for v in parsed):
             raise BenchUsage(f"--grid {item!r}: {name} must lie in {low}..{high}")
         grids[name] = parsed
     return grids
+
+
+def candidate_types(validated: Validated, text: str | None) -> list[tuple[str, ...]]:
+    """The types the search tries: `--types none,ngram-mod,draft-simple+ngram-mod`, or by default none, the
+    n-gram lookups, and with a draft model the draft alone and with ngram-mod; only what the binary lists."""
+    has_draft = validated.plan.spec.models.draft is not None
+    if text:
+        found = [tuple(t for t in item.strip().split("+") if t != "none") for item in text.split(",") if item.strip()]
+    else:
+        found = [(), ("ngram-mod",), ("ngram-simple",)]
+        if has_draft:
+            found[1:1] = [("draft-simple",), ("draft-simple", "ngram-mod")]
+    listed: frozenset[str] | None = getattr(validated.facts.dialect, "spec_types", None)
+    for types in found:
+        unknown = [t for t in types if listed is not None and t not in listed]
+        if unknown:
+            raise BenchUsage(f"--types: {', '.join(unknown)} is not a --spec-type of {validated.facts.dialect.source}")
+        if any(t.startswith("draft-") for t in types) and not has_draft:
+            raise BenchUsage(f"--types: {'+'.join(types)} needs a draft model; add [models.draft] to the spec")
+    return list(dict.fromkeys(found))
 
 
 def parse_layers(text: str | None) -> list[Value]:
@@ -148,17 +172,15 @@ def parse_cache_types(text: str | None) -> list[str]:
 
 
 def _check_options(validated: Validated, reps: int, tokens: int | None, tolerance: float) -> None:
-    if not validated.plan.speculation or validated.plan.spec.models.draft is None:
-        raise BenchError("the spec has no draft model to tune; add [models.draft] (see `llm-appliance explain`)")
     if reps < 1 or (tokens is not None and tokens < 1):
         raise BenchUsage("--reps and --tokens must be at least 1")
     if not 0.0 <= tolerance < 0.5:
         raise BenchUsage("--tolerance is a share of the best rate: 0 to 0.5, e.g. 0.02")
 
 
-def _start(validated: Validated, params: Sequence[Param]) -> Config:
+def _start(validated: Validated, params: Params) -> Config:
     """The spec's own setting, with the draft's gpu layers and cache type when those are tuned too."""
-    names = {p.name for p in params}
+    names = {p.name for p in params.draft}
     return Config.of(validated.plan.spec, "draft_gpu_layers" in names, "draft_cache_type" in names)
 
 
@@ -183,6 +205,7 @@ def main_tune(
     *,
     workloads: str | None,
     grids: Sequence[str],
+    types: str | None = None,
     draft_gpu_layers: str | None,
     draft_cache_types: str | None,
     reps: int,
@@ -207,14 +230,16 @@ def main_tune(
     suite = load_suite(suite_file)
     weights = parse_workloads(workloads, validated.plan.spec.tuning.workloads, suite.names)
     cache_types = parse_cache_types(draft_cache_types)
-    params = default_params(parse_grid(grids), parse_layers(draft_gpu_layers), cache_types)
+    grid = parse_grid(grids)
+    params = Params(default_params(grid, parse_layers(draft_gpu_layers), cache_types), ngram_params(grid))
+    candidates = candidate_types(validated, types)
     progress = Progress()
     server_measure = ServerMeasure(validated, list(weights), reps, tokens, suite_file, progress)
-    no_draft = server_measure.no_draft()
-    result = tune(_start(validated, params), weights, params, server_measure, tolerance, no_draft)
+    result = tune(_start(validated, params), weights, params, server_measure, tolerance, candidates)
     measured_at = now()
     kept = result.choice if write else result.start
     canary = server_measure.canary(kept) if baseline is not None else None
+    canary_none = server_measure.canary(NO_SPECULATION) if baseline is not None and kept.speculates else canary
     progress.close()
     document = result.to_json()
     if not as_json:
@@ -227,7 +252,7 @@ def main_tune(
     code = 0
     if baseline is not None:
         details = {"suite": suite.version, "workloads": result.weights, "tokens": tokens, "reps": reps}
-        if _write_baseline(baseline, result, kept, canary, details, as_json, out):
+        if _write_baseline(baseline, result, kept, (canary, canary_none), details, as_json, out):
             document["baseline_file"] = str(baseline)
         else:
             code = 3
@@ -271,21 +296,25 @@ def _write_baseline(
     path: Path,
     result: TuneResult,
     kept: Config,
-    canary: WorkloadResult | None,
+    canaries: tuple[WorkloadResult | None, WorkloadResult | None],
     details: Mapping[str, Any],
     as_json: bool,
     out: TextIO,
 ) -> bool:
-    """The rates of the configuration the server keeps as the health daemon's baseline; whether it was written."""
-    rates = {f"workload:{name}": rate for name, rate in result.table[kept].items()}
-    if canary is not None and canary.decode:
-        from appliance.health.detectors import CANARY_BUCKET
+    """The rates of the configuration the server keeps as the health daemon's baseline, and those of no
+    speculation (the canary's of both measured again); whether it was written."""
+    from appliance.health.detectors import CANARY_BUCKET
 
-        rates[CANARY_BUCKET] = canary.decode.median
+    sides = {}
+    for config, canary in zip((kept, NO_SPECULATION), canaries, strict=True):
+        rates = {f"workload:{name}": rate for name, rate in result.table[config].items()}
+        if canary is not None and canary.decode:
+            rates[CANARY_BUCKET] = canary.decode.median
+        sides[config] = rates
     profiles = {name: profile_values(result, name) for name in result.profiles}
     document = {"measured_by": "llm-appliance tune", "speculative": kept.to_json(), "profiles": profiles, **details}
     try:
-        write_baseline(path, rates, document)
+        write_baseline(path, sides[kept], document, no_speculation=sides[NO_SPECULATION])
     except OSError as exc:
         print(f"tune: cannot write the baseline {path}: {exc}; run as root, or pass --baseline PATH", file=sys.stderr)
         return False
