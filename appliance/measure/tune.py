@@ -148,7 +148,7 @@ def parse_cache_types(text: str | None) -> list[str]:
 
 
 def _check_options(validated: Validated, reps: int, tokens: int | None, tolerance: float) -> None:
-    if not validated.plan.speculation or validated.plan.spec.models.draft is None:
+    if not validated.plan.draft_in_use or validated.plan.spec.models.draft is None:
         raise BenchError("the spec has no draft model to tune; add [models.draft] (see `llm-appliance explain`)")
     if reps < 1 or (tokens is not None and tokens < 1):
         raise BenchUsage("--reps and --tokens must be at least 1")
