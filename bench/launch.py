@@ -108,7 +108,8 @@ def main() -> None:
         rows = []
         for label, argv in (("with draft", appliance.argv), ("no draft", tuple(without_draft(list(appliance.argv))))):
             process, api, notify, t0 = start(
-                replace(appliance, argv=argv, draft_in_use=label == "with draft"), Path(tmp)
+                replace(appliance, argv=argv, draft_in_use=label == "with draft", speculation=label == "with draft"),
+                Path(tmp),
             )
             try:
                 healthy, ready = time_to_ready(process, api, notify, t0)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE_FACTS, KeyFile, gpu_facts
 
+from appliance.facts.dialect import Dialect, builtin_help_text, parse_help
 from appliance.facts.machine import MachineFacts
 from appliance.plan.validate import validate
 from appliance.spec.problems import Problem, Severity, SpecInvalid, report
@@ -36,6 +37,19 @@ FIRST_LINE = "# llm-appliance: one 24 GB GPU"
 NETWORK_ALLOW = '[network]\nallow = ["127.0.0.0/8", "::1/128"]\n'
 LOOPBACK = 'host = "127.0.0.1"'
 PROMETHEUS = "[prometheus]\n"
+SPECULATIVE_END = "p_min = 0.0\n"  # the last line of appliance.toml's [speculative]
+
+
+def trimmed_dialect(source: str, flag_prefix: str, spec_type: str | None = None) -> Dialect:
+    """The pinned build's --help without the flags named `flag_prefix`... and the --spec-type value `spec_type`."""
+    kept = [line for line in builtin_help_text().splitlines() if not line.startswith(flag_prefix)]
+    if spec_type is not None:
+        kept = [line.replace(f",{spec_type},", ",") if line.startswith("--spec-type ") else line for line in kept]
+    return parse_help("\n".join(kept), source)
+
+
+WITHOUT_NGRAM_MOD = trimmed_dialect("a llama-server without ngram-mod", "--spec-ngram-mod-", "ngram-mod")
+WITHOUT_N_MATCH = trimmed_dialect("a llama-server without n_match", "--spec-ngram-mod-n-match")
 
 
 def api_key(name: str) -> dict[str, str]:
@@ -313,8 +327,8 @@ BAD = [
         "speculative-type-word",
         {'type = "draft-simple"': 'type = "draft"'},
         "speculative.type",
-        "(got 'draft')",
-        "'draft-simple'",
+        "built-in llama-server-0c1e570.help.txt has no speculation type 'draft'; it lists none, draft-simple, ",
+        "several as a list",
         'type = "draft"',
     ),
     Case(
@@ -853,6 +867,105 @@ BAD = [
         "save the spec as UTF-8",
         raw=lambda data: data.replace(b"workstation", b"work\xffstation"),
     ),
+    # --- speculation types and their own parameters ---
+    Case(
+        "speculative-type-unknown-in-list",
+        {'type = "draft-simple"': 'type = ["draft-simple", "ngram-magic"]'},
+        "speculative.type",
+        "has no speculation type 'ngram-magic'; it lists none, draft-simple, ",
+        "several as a list",
+        'type = ["draft-simple", "ngram-magic"]',
+    ),
+    Case(
+        "speculative-type-twice",
+        {'type = "draft-simple"': 'type = ["draft-simple", "draft-simple"]'},
+        "speculative.type",
+        "names draft-simple more than once",
+        at='type = ["draft-simple", "draft-simple"]',
+    ),
+    Case(
+        "speculative-none-combined",
+        {'type = "draft-simple"': 'type = "none,ngram-mod"'},
+        "speculative.type",
+        '"none" turns speculation off and cannot be combined',
+        at='type = "none,ngram-mod"',
+    ),
+    Case(
+        "speculative-type-not-in-dialect",
+        {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]'},
+        "speculative.type",
+        "a llama-server without ngram-mod has no speculation type 'ngram-mod'",
+        at='type = ["draft-simple", "ngram-mod"]',
+        facts=dataclasses.replace(gpu_facts(24), dialect=WITHOUT_NGRAM_MOD),
+    ),
+    Case(
+        "ngram-mod-unknown-key",
+        {SPECULATIVE_END: f"{SPECULATIVE_END}\n[speculative.ngram_mod]\nn_matchh = 32\n"},
+        "speculative.ngram_mod.n_matchh",
+        "unknown key",
+        "did you mean 'n_match'?",
+        "n_matchh = 32",
+    ),
+    Case(
+        "ngram-mod-n-match-0",
+        {SPECULATIVE_END: f"{SPECULATIVE_END}\n[speculative.ngram_mod]\nn_match = 0\n"},
+        "speculative.ngram_mod.n_match",
+        "greater than or equal to 1",
+        at="n_match = 0",
+    ),
+    Case(
+        "ngram-mod-n-min-above-n-max",
+        {
+            'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]',
+            SPECULATIVE_END: f"{SPECULATIVE_END}\n[speculative.ngram_mod]\nn_min = 60\nn_max = 50\n",
+        },
+        "speculative.ngram_mod.n_min",
+        "n_min 60 is above n_max 50",
+        "set n_min to at most n_max",
+        "n_min = 60",
+    ),
+    Case(
+        "ngram-mod-n-min-above-the-default-n-max",
+        {
+            'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]',
+            SPECULATIVE_END: f"{SPECULATIVE_END}\n[speculative.ngram_mod]\nn_min = 70\n",
+        },
+        "speculative.ngram_mod.n_min",
+        "n_min 70 is above n_max 64 (the unset one is the engine's default)",
+        at="n_min = 70",
+    ),
+    Case(
+        "ngram-flag-not-in-dialect",
+        {
+            'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]',
+            SPECULATIVE_END: f"{SPECULATIVE_END}\n[speculative.ngram_mod]\nn_min = 8\nn_match = 16\n",
+        },
+        "speculative.ngram_mod.n_match",
+        "a llama-server without n_match accepts none of --spec-ngram-mod-n-match",
+        "engine install",
+        "n_match = 16",
+        facts=dataclasses.replace(gpu_facts(24), dialect=WITHOUT_N_MATCH),
+    ),
+    Case(
+        "extra-args-spec-synth",
+        {'load_mode = "mmap"': 'load_mode = "mmap"\nextra_args = ["--spec-synth-len", "3"]'},
+        "server.extra_args[0]",
+        "--spec-synth-len is benchmark-only: it fakes acceptance",
+        "remove it",
+        "extra_args",
+    ),
+    Case(
+        "extra-args-ngram-flag-from-the-spec",
+        {
+            'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]',
+            SPECULATIVE_END: f"{SPECULATIVE_END}\n[speculative.ngram_mod]\nn_match = 16\n",
+            'load_mode = "mmap"': 'load_mode = "mmap"\nextra_args = ["--spec-ngram-mod-n-match=8"]',
+        },
+        "server.extra_args[0]",
+        "--spec-ngram-mod-n-match is already set from the spec",
+        "spec_ngram_mod_n_match",
+        "extra_args",
+    ),
 ]
 
 WARNINGS = [
@@ -915,6 +1028,23 @@ WARNINGS = [
         "each of 4 slots gets only 1024 tokens of context",
         at="parallel = 4",
         base="demo.toml",
+    ),
+    Case(
+        "ngram-table-for-a-type-not-used",
+        {SPECULATIVE_END: f"{SPECULATIVE_END}\n[speculative.ngram_simple]\nsize_n = 8\n"},
+        "speculative.ngram_simple",
+        "[speculative.ngram_simple] is set but speculative.type 'draft-simple' does not use ngram-simple: it does nothing",
+        "add 'ngram-simple' to speculative.type",
+        "[speculative.ngram_simple]",
+    ),
+    Case(
+        "draft-and-ngram-types-without-draft",
+        {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]'},
+        "models.draft",
+        "speculative.type is 'draft-simple,ngram-mod' but no draft model is configured: only ngram-mod speculates",
+        'speculative.type = "ngram-mod"',
+        base="demo.toml",
+        edit=_drop_table("models.draft"),
     ),
 ]
 

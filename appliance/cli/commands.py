@@ -20,7 +20,7 @@ from appliance.facts.engine import Manifest
 from appliance.ops import engine, models
 from appliance.plan.budget import GIB, lines
 from appliance.plan.fit import fit_lines, largest_fits
-from appliance.plan.report import plan_json
+from appliance.plan.report import plan_json, speculation_lines
 from appliance.plan.resolved import SNAPSHOT, Appliance, SnapshotError, changed_fields, resolve
 from appliance.plan.validate import Validated, validate
 from appliance.render.apply import changes, installed_spec_path, reload_system, write
@@ -65,6 +65,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         )
     print(f"dialect: {result.facts.dialect.source}")
     print(f"model name in the API (clients send it as `model`): {plan.alias}")
+    print("\n".join(speculation_lines(plan)))
     print("\nllama-server argv:")
     print("  " + " \\\n    ".join(_pairs(plan.argv)))
     print("\nmemory budget:")

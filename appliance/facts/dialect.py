@@ -14,6 +14,8 @@ from pathlib import Path
 from appliance.system.run import run
 
 _OPTION = re.compile(r"(?<![\w-])(--?[A-Za-z][A-Za-z0-9-]*)")
+# "--spec-type none,draft-simple,...,ngram-cache": the accepted values stand in the options column.
+_SPEC_TYPES = re.compile(r"--spec-type\s+([a-z0-9-]+(?:,[a-z0-9-]+)+)(?:\s|$)")
 
 # One logical option -> its spellings, newest first. The first one the binary accepts is used.
 SPELLINGS: dict[str, tuple[str, ...]] = {
@@ -61,6 +63,26 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "no_mmap": ("--no-mmap",),
 }
 
+# Each n-gram type's own parameters, by the [speculative] sub-table that sets them: its flags are
+# --spec-TYPE-PARAMETER (--spec-ngram-mod-n-match), the option "spec_TABLE_PARAMETER".
+NGRAM_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "ngram_mod": ("n_match", "n_min", "n_max"),
+    "ngram_simple": ("size_n", "size_m", "min_hits"),
+    "ngram_map_k": ("size_n", "size_m", "min_hits"),
+    "ngram_map_k4v": ("size_n", "size_m", "min_hits"),
+}
+SPELLINGS.update(
+    {
+        f"spec_{table}_{parameter}": ("--spec-" + f"{table}-{parameter}".replace("_", "-"),)
+        for table, parameters in NGRAM_PARAMETERS.items()
+        for parameter in parameters
+    }
+)
+
+# Benchmark-only flags: they make the server accept drafts at a chosen rate, so every speed and acceptance
+# measured with them is fiction.
+SYNTHETIC_PREFIX = "--spec-synth-"
+
 # Spellings current llama.cpp rejects with "the argument has been removed", and what replaced them.
 REMOVED: dict[str, str] = {
     "--draft": "speculative.n_max",
@@ -80,6 +102,8 @@ BUILTIN_HELP = "llama-server-0c1e570.help.txt"
 class Dialect:
     flags: frozenset[str]
     source: str  # where the flags were read from, for messages
+    # The values of --spec-type its --help lists; () when it lists none (older binaries, or no such flag).
+    spec_types: tuple[str, ...] = ()
 
     def spelling(self, option: str) -> str | None:
         return next((flag for flag in SPELLINGS[option] if flag in self.flags), None)
@@ -91,9 +115,12 @@ class Dialect:
 def parse_help(text: str, source: str) -> Dialect:
     """Collect every option named in the options column of `llama-server --help`."""
     flags: set[str] = set()
+    spec_types: tuple[str, ...] = ()
     for line in text.splitlines():
         if not line.startswith("-"):
             continue
+        if m := _SPEC_TYPES.match(line):
+            spec_types = tuple(m.group(1).split(","))
         # "-lm,   --load-mode MODE      description": names are padded after their comma.
         names = re.sub(r",\s+", ", ", line.strip())
         column, description = ([*re.split(r"\s{2,}", names, maxsplit=1), ""])[:2]
@@ -101,7 +128,7 @@ def parse_help(text: str, source: str) -> Dialect:
         if description.startswith("the argument has been removed"):
             continue
         flags.update(_OPTION.findall(column))
-    return Dialect(frozenset(flags), source)
+    return Dialect(frozenset(flags), source, spec_types)
 
 
 def read_binary_dialect(binary: Path, timeout: float = 20.0) -> Dialect:
@@ -115,7 +142,11 @@ def read_binary_dialect(binary: Path, timeout: float = 20.0) -> Dialect:
     return dialect
 
 
+def builtin_help_text() -> str:
+    """`llama-server --help` of the llama.cpp this release builds (commit 0c1e570)."""
+    return resources.files("appliance.facts").joinpath("dialects", BUILTIN_HELP).read_text()
+
+
 def builtin_dialect() -> Dialect:
-    """The dialect of the llama.cpp this release builds (commit 0c1e570), for planning before install."""
-    text = resources.files("appliance.facts").joinpath("dialects", BUILTIN_HELP).read_text()
-    return parse_help(text, f"built-in {BUILTIN_HELP}")
+    """The dialect of the llama.cpp this release builds, for planning before install."""
+    return parse_help(builtin_help_text(), f"built-in {BUILTIN_HELP}")

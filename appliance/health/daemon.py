@@ -248,7 +248,7 @@ class HealthDaemon:
                 self._record_rate(context_bucket(self._context_tokens()), rate, seen)
             self.metrics.drafted.inc(max(w.drafted, 0))
             self.metrics.accepted.inc(max(w.accepted, 0))
-            verdict = speculation(self.config.appliance.draft_in_use, w, self.config.spec.health.acceptance_min)
+            verdict = speculation(self.config.appliance.speculation, w, self.config.spec.health.acceptance_min)
             if verdict.engaged is not None:
                 self.metrics.speculation_engaged.set(1 if verdict.engaged else 0)
                 if not verdict.engaged:

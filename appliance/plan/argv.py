@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from appliance.facts.dialect import REMOVED, SPELLINGS, Dialect
-from appliance.spec.model import LogLevel, Spec
+from appliance.facts.dialect import REMOVED, SPELLINGS, SYNTHETIC_PREFIX, Dialect
+from appliance.spec.model import LogLevel, Spec, Speculative
 from appliance.spec.problems import Problem, error, warning
 
 
@@ -121,27 +121,52 @@ def _model_flags(argv: _Argv, spec: Spec, alias: str) -> None:
 
 
 def _speculative_flags(argv: _Argv, spec: Spec, draft_in_use: bool) -> None:
+    speculative = spec.speculative
+    if not _types_known(argv, speculative):
+        return
+    drafting = draft_in_use and spec.models.draft is not None
+    # A draft-* type without its draft model has nothing to draft with (spec/checks.py warns); the rest need none.
+    types = [name for name in speculative.types if drafting or not name.startswith("draft-")]
+    if types:
+        # Without --spec-type current llama-server loads the draft and never drafts. Binaries older than
+        # --spec-type drafted with the draft model alone.
+        argv.flag("spec_type", "speculative.type", ",".join(types), required=types != ["draft-simple"])
+    if drafting:
+        _draft_flags(argv, spec)
+    for table, values in speculative.ngram_tables().items():
+        if table.replace("_", "-") in types:  # one for a type not used does nothing (spec/checks.py warns)
+            for parameter, value in values.model_dump(exclude_none=True).items():
+                argv.flag(f"spec_{table}_{parameter}", f"speculative.{table}.{parameter}", str(value))
+
+
+def _types_known(argv: _Argv, speculative: Speculative) -> bool:
+    """Every type is one the binary lists (a binary that lists none is judged by its flags alone)."""
+    listed = argv.dialect.spec_types
+    unknown = [name for name in speculative.types if listed and name not in listed]
+    for name in unknown:
+        argv.problems.append(
+            error(
+                "speculative.type",
+                f"{argv.dialect.source} has no speculation type {name!r}; it lists {', '.join(listed)}",
+                'use those names; several as a list, e.g. type = ["draft-simple", "ngram-mod"]',
+            )
+        )
+    return not unknown
+
+
+def _draft_flags(argv: _Argv, spec: Spec) -> None:
     flag, draft, speculative = argv.flag, spec.models.draft, spec.speculative
-    if draft is not None and draft_in_use:
-        # Without --spec-type draft-simple current llama-server loads the draft and never drafts.
-        # Binaries older than --spec-type drafted with the draft model alone.
-        flag("spec_type", "speculative.type", speculative.type, required=speculative.type != "draft-simple")
-        flag("draft_model", "models.draft.path", str(draft.path))
-        flag("draft_n_max", "speculative.n_max", str(speculative.n_max))
-        flag("draft_n_min", "speculative.n_min", str(speculative.n_min))
-        flag("draft_p_min", "speculative.p_min", f"{speculative.p_min:g}")
-        if draft.devices:
-            flag("draft_device", "models.draft.devices", ",".join(draft.devices))
-        flag("draft_gpu_layers", "models.draft.gpu_layers", str(draft.gpu_layers))
-        # Binaries older than -ctkd/-ctvd (llama.cpp PR 13782, mid 2025) always gave the draft an f16 cache.
-        flag(
-            "draft_cache_type_k", "models.draft.cache_type_k", draft.cache_type_k, required=draft.cache_type_k != "f16"
-        )
-        flag(
-            "draft_cache_type_v", "models.draft.cache_type_v", draft.cache_type_v, required=draft.cache_type_v != "f16"
-        )
-    elif draft is None and speculative.type.startswith("ngram"):
-        flag("spec_type", "speculative.type", speculative.type)
+    assert draft is not None
+    flag("draft_model", "models.draft.path", str(draft.path))
+    flag("draft_n_max", "speculative.n_max", str(speculative.n_max))
+    flag("draft_n_min", "speculative.n_min", str(speculative.n_min))
+    flag("draft_p_min", "speculative.p_min", f"{speculative.p_min:g}")
+    if draft.devices:
+        flag("draft_device", "models.draft.devices", ",".join(draft.devices))
+    flag("draft_gpu_layers", "models.draft.gpu_layers", str(draft.gpu_layers))
+    # Binaries older than -ctkd/-ctvd (llama.cpp PR 13782, mid 2025) always gave the draft an f16 cache.
+    flag("draft_cache_type_k", "models.draft.cache_type_k", draft.cache_type_k, required=draft.cache_type_k != "f16")
+    flag("draft_cache_type_v", "models.draft.cache_type_v", draft.cache_type_v, required=draft.cache_type_v != "f16")
 
 
 def _extra_arg_problems(extra: list[str], planned: list[str], dialect: Dialect) -> list[Problem]:
@@ -152,7 +177,16 @@ def _extra_arg_problems(extra: list[str], planned: list[str], dialect: Dialect) 
         if not name.startswith("-") or _is_number(name):
             continue
         where = f"server.extra_args[{index}]"
-        if name in SECRET_FLAGS:
+        if name.startswith(SYNTHETIC_PREFIX):
+            found.append(
+                error(
+                    where,
+                    f"{name} is benchmark-only: it fakes acceptance (drafts accepted at a chosen rate), so every "
+                    "speed and acceptance measured with it is fiction",
+                    "remove it; `llm-appliance bench` measures real acceptance",
+                )
+            )
+        elif name in SECRET_FLAGS:
             found.append(error(where, SECRET_FLAGS[name].format(name=name), "set server.api_key_file instead"))
         elif name in REMOVED and not dialect.accepts(name):
             found.append(

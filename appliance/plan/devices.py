@@ -7,8 +7,8 @@ from appliance.spec.model import Model, Spec
 
 
 def draft_in_use(spec: Spec) -> bool:
-    """A draft model is configured and the speculative type is one that drafts with it."""
-    return spec.models.draft is not None and spec.speculative.type.startswith("draft-")
+    """A draft model is configured and one of the speculative types drafts with it."""
+    return spec.models.draft is not None and bool(spec.speculative.draft_types)
 
 
 def gpu_devices(model: Model) -> list[str]:

@@ -37,9 +37,15 @@ class Plan:
         return served_name(self.spec, self.target)
 
     @property
-    def speculation(self) -> bool:
-        """The server will draft: the draft model's file was read and the spec drafts with it."""
+    def draft_in_use(self) -> bool:
+        """A draft model is in use: its file was read and a draft-* type drafts with it."""
         return self.draft is not None and draft_in_use(self.spec)
+
+    @property
+    def speculation(self) -> bool:
+        """llama-server will speculate: a draft-* type with its draft model in use, or any n-gram type (which
+        drafts from the text itself)."""
+        return self.draft_in_use or bool(self.spec.speculative.ngram_types)
 
 
 def served_name(spec: Spec, target: ModelInfo) -> str:

@@ -84,6 +84,7 @@ class Appliance:
     api_key_file: Path | None
     scrape_key_file: Path | None  # what the llama-server scrape job sends as its bearer token
     draft_in_use: bool
+    speculation: bool  # llama-server speculates: with its draft model, or n-gram types without one
     on_gpu: bool  # the target model is offloaded to a GPU
     server_devices: tuple[str, ...]  # every GPU the server uses (target and draft)
     server_device_nodes: tuple[str, ...]  # what the server's sandbox opens for them (read-write)
@@ -137,6 +138,7 @@ class Appliance:
                 "api_key_file": str(self.api_key_file) if self.api_key_file else None,
                 "scrape_key_file": str(self.scrape_key_file) if self.scrape_key_file else None,
                 "draft_in_use": self.draft_in_use,
+                "speculation": self.speculation,
                 "on_gpu": self.on_gpu,
                 "server_devices": list(self.server_devices),
                 "server_device_nodes": list(self.server_device_nodes),
@@ -173,6 +175,8 @@ class Appliance:
             api_key_file=Path(key) if key else None,
             scrape_key_file=Path(scrape_key) if scrape_key else None,
             draft_in_use=bool(r["draft_in_use"]),
+            # Applied before n-gram speculation was told apart: only a draft speculated that the launcher checked.
+            speculation=bool(r.get("speculation", r["draft_in_use"])),
             on_gpu=bool(r["on_gpu"]),
             server_devices=tuple(str(d) for d in r["server_devices"]),
             server_device_nodes=tuple(str(n) for n in r["server_device_nodes"]),
@@ -220,7 +224,8 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
         api_key_file=spec.server.api_key_file,
         # validate refuses a key file of several keys without a scrape key of its own
         scrape_key_file=spec.prometheus.scrape_key_file or spec.server.api_key_file,
-        draft_in_use=plan.speculation,
+        draft_in_use=plan.draft_in_use,
+        speculation=plan.speculation,
         on_gpu=bool(gpu_devices(spec.models.target)),
         server_devices=devices,
         server_device_nodes=gpu_nodes + GPU_COMMON_NODES if devices else (),
@@ -279,4 +284,9 @@ def _spec_document(spec: Spec) -> dict[str, Any]:
     for optional in ("fleet", "cost"):
         if document.get(optional) is None:
             document.pop(optional, None)
+    # Nor, mostly, the n-gram types' sub-tables.
+    for table in [
+        name for name, value in document["speculative"].items() if name.startswith("ngram_") and value is None
+    ]:
+        del document["speculative"][table]
     return document

@@ -70,7 +70,7 @@ def validate_loaded(
                 )
             )
     target, draft = infos.get("target"), infos.get("draft")
-    if target is not None and draft is not None and spec.speculative.type.startswith("draft-"):
+    if target is not None and draft is not None and spec.speculative.draft_types:
         found += _vocab_problems(
             spec.models.target.path, spec.models.draft.path if spec.models.draft else Path(), facts, vocab_reader
         )

@@ -3,7 +3,7 @@ llama-server's own `llamacpp:` counters, with the spec's thresholds drawn in.
 
 Built as data from a small view (grafana.py knows Grafana's model) and printed whole by its template, so the
 template holds no logic and the JSON is valid by construction. Every selector carries the spec's labels, as the
-alert rules' do. GPU panels only where the server uses a GPU, speculation panels only where a draft is in use:
+alert rules' do. GPU panels only where the server uses a GPU, speculation panels only where the server speculates:
 a panel that can never show data is noise.
 """
 
@@ -44,7 +44,8 @@ class DashboardView:
     description: str
     labels: tuple[str, ...]  # the spec's labels as matchers, in every selector
     server_devices: tuple[str, ...]  # the server's GPUs; none: no GPU panels
-    draft: bool
+    draft: bool  # a draft model is in use
+    speculation: bool  # the server speculates (a draft, or n-gram types)
     scrape_seconds: int
     interval_seconds: int
     decay_ratio: float
@@ -83,6 +84,7 @@ def view(appliance: Appliance, header: str) -> DashboardView:
         labels=labels,
         server_devices=appliance.server_devices,
         draft=appliance.draft_in_use,
+        speculation=appliance.speculation,
         scrape_seconds=spec.prometheus.scrape_interval_seconds,
         interval_seconds=spec.health.interval_seconds,
         decay_ratio=spec.health.decay_ratio,
@@ -143,11 +145,13 @@ def overview(v: DashboardView) -> list[Panel]:
             {0: ("ok", "green"), 1: ("exhausted", "red")},
         ),
     ]
-    if v.draft:
+    if v.speculation:
         panels.append(
             state(
                 "Speculation",
-                "Drafts are being made: the configured draft was not refused",
+                "Drafts are being made: the configured draft was not refused"
+                if v.draft
+                else "Drafts are being made: the n-gram types find repeated text to draft from",
                 v.of("llm_appliance_speculation_engaged"),
                 {1: ("engaged", "green"), 0: ("not engaged", "red")},
             )
@@ -167,9 +171,9 @@ def decode(v: DashboardView) -> list[Panel]:
         Target(baseline, "{{bucket}} baseline"),
         Target(f"{v.decay_ratio} * {baseline}", "{{bucket}} decay threshold"),
         overrides=(dashed(".* baseline"), dashed(".* decay threshold", "red")),
-        w=12 if v.draft else 24,
+        w=12 if v.speculation else 24,
     )
-    if not v.draft:
+    if not v.speculation:
         return [rate]
     accepted = v.rate("llamacpp:spec_decode_num_accepted_tokens_total")
     return [

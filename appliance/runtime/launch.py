@@ -48,7 +48,8 @@ class LaunchPlan:
     argv: tuple[str, ...]
     health_url: str
     api_key_file: Path | None
-    draft_configured: bool
+    draft_configured: bool  # a draft model is in use
+    speculation: bool  # llama-server speculates: with the draft model, or n-gram types without one
     watchdog_seconds: int
 
     @property
@@ -62,6 +63,7 @@ class LaunchPlan:
             health_url=appliance.health_url,
             api_key_file=appliance.api_key_file,
             draft_configured=appliance.draft_in_use,
+            speculation=appliance.speculation,
             watchdog_seconds=appliance.spec.health.watchdog_seconds,
         )
 
@@ -205,12 +207,15 @@ class Launcher:
         return None
 
     def _ready_status(self) -> str:
-        draft = "draft configured" if self.plan.draft_configured else "no draft"
-        return f"ready at {self.plan.base_url} ({draft})"
+        if self.plan.draft_configured:
+            kind = "draft configured"
+        else:
+            kind = "speculation without a draft model" if self.plan.speculation else "no draft"
+        return f"ready at {self.plan.base_url} ({kind})"
 
     def _check_slots(self) -> None:
         """llama-server frees an unusable draft at load; /slots says whether speculation initialised."""
-        if not self.plan.draft_configured:
+        if not self.plan.speculation:
             return
         try:
             slots = self.api.slots()
@@ -221,8 +226,8 @@ class Launcher:
             self._not_engaged("llama-server did not initialise speculative decoding (/slots: speculative=false)")
 
     def _check_speculation(self) -> None:
-        """After the first tokens are generated, a configured draft must have drafted some."""
-        if not self.plan.draft_configured or self.speculation_verdict is not None:
+        """After the first tokens are generated, configured speculation (a draft, n-grams) must have drafted some."""
+        if not self.plan.speculation or self.speculation_verdict is not None:
             return
         try:
             metrics = self.api.metrics()
@@ -237,16 +242,24 @@ class Launcher:
             accepted = metrics.get("spec_decode_num_accepted_tokens_total", 0)
             log.info("speculation engaged: %d tokens drafted, %d accepted", drafted, accepted)
             self.notifier.status(f"{self._ready_status()}; speculation engaged, acceptance {accepted / drafted:.2f}")
-        else:
+        elif self.plan.draft_configured:
             self._not_engaged(f"{metrics['tokens_predicted_total']:.0f} tokens generated and none drafted")
+        # n-gram types draft only once the output repeats earlier text: no drafts yet is no verdict yet.
 
     def _not_engaged(self, why: str) -> None:
         self.speculation_verdict = False
-        log.error(
-            "SPECULATION NOT ENGAGED: a draft model is configured but %s. The server runs without it, slower. "
-            "Check `llm-appliance validate` (draft vocabulary, --spec-type draft-simple) and the lines above.",
-            why,
-        )
+        if self.plan.draft_configured:
+            log.error(
+                "SPECULATION NOT ENGAGED: a draft model is configured but %s. The server runs without it, slower. "
+                "Check `llm-appliance validate` (draft vocabulary, --spec-type draft-simple) and the lines above.",
+                why,
+            )
+        else:
+            log.error(
+                "SPECULATION NOT ENGAGED: speculative.type is configured but %s. The server runs without it, slower. "
+                "Check `llm-appliance validate` (--spec-type) and the lines above.",
+                why,
+            )
         self.notifier.status(f"{self._ready_status()}; SPECULATION NOT ENGAGED")
 
     def _child_exit(self) -> int | None:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from appliance.spec.load import LoadedSpec
-from appliance.spec.model import QUANTIZED_CACHE, Model, Spec, Speculative
+from appliance.spec.model import QUANTIZED_CACHE, Model, NgramMod, Spec, Speculative
 from appliance.spec.problems import Problem, error, warning
 
 FAST_N_MAX = 16
+# ngram-mod's defaults in llama-server --help (pinned build 0c1e570): n_min 48, n_max 64.
+NGRAM_MOD_N_MIN, NGRAM_MOD_N_MAX = 48, 64
 
 
 def spec_problems(loaded: LoadedSpec) -> list[Problem]:
     spec = loaded.spec
-    found = draft_length_problems(spec.speculative) + _draft_type_problems(spec)
+    found = draft_length_problems(spec.speculative) + _draft_type_problems(spec) + _ngram_problems(spec.speculative)
     found += _exposure_problems(loaded)
     for role, model in (("target", spec.models.target), ("draft", spec.models.draft)):
         if model is not None:
@@ -20,24 +22,68 @@ def spec_problems(loaded: LoadedSpec) -> list[Problem]:
 
 
 def _draft_type_problems(spec: Spec) -> list[Problem]:
-    kind = spec.speculative.type
-    if spec.models.draft is not None and not kind.startswith("draft-"):
+    speculative = spec.speculative
+    kind, drafting = speculative.type, speculative.draft_types
+    # A name of neither family is the binary's to judge (plan/argv.py), not a type that never drafts.
+    if spec.models.draft is not None and not drafting and all(n.startswith("ngram-") for n in speculative.types):
         return [
             error(
                 "speculative.type",
                 f"a draft model is configured but type is {kind!r}, which never uses it",
-                'set type = "draft-simple", or remove [models.draft]',
+                'set type = "draft-simple" (with n-gram types: ["draft-simple", ...]), or remove [models.draft]',
             )
         ]
-    if spec.models.draft is None and kind.startswith("draft-"):
+    if spec.models.draft is None and drafting:
+        others = [name for name in speculative.types if name not in drafting]
+        effect = f"only {', '.join(others)} speculates" if others else "speculation is off"
         return [
             warning(
                 "models.draft",
-                f"speculative.type is {kind!r} but no draft model is configured: speculation is off",
-                'add [models.draft] with a same-family GGUF, or set speculative.type = "none"',
+                f"speculative.type is {kind!r} but no draft model is configured: {effect}",
+                "add [models.draft] with a same-family GGUF, or set speculative.type = "
+                + (f"{_toml_types(others)}" if others else '"none"'),
             )
         ]
     return []
+
+
+def _toml_types(types: list[str]) -> str:
+    return f'"{types[0]}"' if len(types) == 1 else "[" + ", ".join(f'"{name}"' for name in types) + "]"
+
+
+def _ngram_problems(speculative: Speculative) -> list[Problem]:
+    """A sub-table for a type not used (it does nothing), and ngram-mod's n_min above its n_max."""
+    found = []
+    for table in speculative.ngram_tables():
+        name = table.replace("_", "-")
+        if name not in speculative.types:
+            found.append(
+                warning(
+                    f"speculative.{table}",
+                    f"[speculative.{table}] is set but speculative.type {speculative.type!r} does not use {name}: "
+                    "it does nothing",
+                    f"add {name!r} to speculative.type, or remove [speculative.{table}]",
+                )
+            )
+    return found + _ngram_mod_length_problems(speculative.ngram_mod)
+
+
+def _ngram_mod_length_problems(mod: NgramMod | None) -> list[Problem]:
+    if mod is None or (mod.n_min is None and mod.n_max is None):
+        return []
+    # An unset one takes the engine's default, which the one set must still agree with.
+    n_min = NGRAM_MOD_N_MIN if mod.n_min is None else mod.n_min
+    n_max = NGRAM_MOD_N_MAX if mod.n_max is None else mod.n_max
+    if n_min <= n_max:
+        return []
+    default = "" if mod.n_min is not None and mod.n_max is not None else " (the unset one is the engine's default)"
+    return [
+        error(
+            f"speculative.ngram_mod.{'n_min' if mod.n_min is not None else 'n_max'}",
+            f"n_min {n_min} is above n_max {n_max}{default}",
+            f"set n_min to at most n_max (the engine's defaults: {NGRAM_MOD_N_MIN} and {NGRAM_MOD_N_MAX})",
+        )
+    ]
 
 
 def _exposure_problems(loaded: LoadedSpec) -> list[Problem]:
