@@ -711,7 +711,7 @@ BAD = [
         "the draft's vocabulary is incompatible with the target's (vocab types differ: target BPE, draft SPM",
         "same tokenizer",
         "gemma-3-270m",
-        base="demo.toml",
+        base="demo-draft.toml",
     ),
     # --- the memory budget ---
     Case(
@@ -1018,7 +1018,7 @@ WARNINGS = [
         "models.draft",
         "speculative.type is 'draft-simple' but no draft model is configured",
         'speculative.type = "none"',
-        base="demo.toml",
+        base="demo-draft.toml",
         edit=_drop_table("models.draft"),
     ),
     Case(
@@ -1027,7 +1027,7 @@ WARNINGS = [
         "server.parallel",
         "each of 4 slots gets only 1024 tokens of context",
         at="parallel = 4",
-        base="demo.toml",
+        base="demo-draft.toml",
     ),
     Case(
         "ngram-table-for-a-type-not-used",
@@ -1043,7 +1043,7 @@ WARNINGS = [
         "models.draft",
         "speculative.type is 'draft-simple,ngram-mod' but no draft model is configured: only ngram-mod speculates",
         'speculative.type = "ngram-mod"',
-        base="demo.toml",
+        base="demo-draft.toml",
         edit=_drop_table("models.draft"),
     ),
 ]

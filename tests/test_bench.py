@@ -106,10 +106,10 @@ def test_requests_fit_one_slot_and_are_greedy_uncached_and_natural() -> None:
 
 
 def test_each_configuration_is_the_plan_with_its_own_speculative_flags(example: Callable[..., Path]) -> None:
-    validated = validate(example("demo.toml"))
+    validated = validate(example("demo-draft.toml"))
     plan_argv = list(validated.plan.argv)
     assert server_argv(validated, Config.of(validated.plan.spec), 8080) == plan_argv
-    other = server_argv(validated, Config(True, 3, 1, 0.4), 18080)
+    other = server_argv(validated, Config(("draft-simple",), 3, 1, 0.4), 18080)
     assert other[other.index("--port") + 1] == "18080"
     assert other[other.index("--spec-draft-n-max") + 1] == "3"
     assert other[other.index("--spec-draft-n-min") + 1] == "1"
@@ -135,7 +135,7 @@ def test_a_configuration_is_planned_again_and_refused_when_its_plan_has_errors(e
     argv = server_argv(validated, Config(("draft-simple",), 6, 3, 0.0, draft_cache_type="q4_0"), 18080)
     assert argv[argv.index("--spec-draft-type-k") + 1] == "q4_0"
     # An f32 draft cache at this context does not fit beside the 27B target on 24 GB: the plan says so.
-    with pytest.raises(BenchError, match=r"draft cache f32: server.ctx_size: CUDA0 is over budget"):
+    with pytest.raises(BenchError, match=r"cache f32\): server.ctx_size: CUDA0 is over budget"):
         server_argv(validated, Config(("draft-simple",), 6, 3, 0.0, draft_cache_type="f32"), 18080)
     with pytest.raises(BenchError, match=r"models.draft.gpu_layers: .*less than or equal to 1000"):
         server_argv(validated, Config(("draft-simple",), 6, 3, 0.0, draft_gpu_layers=1001), 18080)
@@ -221,9 +221,7 @@ def test_bench_standalone_measures_every_workload_with_and_without_speculation(
     assert "bench: no speculation (baseline)" in err  # progress, one line per configuration on a log
     result = json.loads(out)
     assert result["suite"] == "suite-v2" and result["mode"] == "standalone"
-    assert result["configs"]["speculative"]["type"] == "draft-simple" or result["configs"]["speculative"]["type"] == [
-        "draft-simple"
-    ]
+    assert result["configs"]["speculative"]["type"] == "draft-simple"
     assert result["configs"]["speculative"]["n_max"] == 8
     assert result["configs"]["no_speculation"] == {"type": "none", "label": "none"}
     rows = {row["name"]: row for row in result["workloads"]}
@@ -322,9 +320,7 @@ def test_bench_reads_the_energy_around_every_request_and_prices_a_million_tokens
     example: Callable[..., Path], tmp_path: Path
 ) -> None:
     cost = '\n[cost]\ncurrency = "EUR"\nprice_per_kwh = 0.30\nhardware_price = 1000.0\nlifetime_hours = 20000\n'
-    spec = example(
-        "demo-draft.toml", {'labels = { appliance = "demo-draft" }': 'labels = { appliance = "demo-draft" }' + cost}
-    )
+    spec = example("demo-draft.toml", {'labels = { appliance = "demo" }': 'labels = { appliance = "demo" }' + cost})
     # 10 W: the counter wraps 2 s into the run, then every 20 s (longer than any request, as with a real CPU).
     package = Package(tmp_path / "powercap", watts=10.0, range_uj=200_000_000, energy_uj=180_000_000)
     package.thread.start()

@@ -70,7 +70,7 @@ CORRUPTIONS = {
 
 @pytest.fixture
 def demo(example: Callable[..., Path]) -> Path:
-    return example("demo.toml")
+    return example("demo-draft.toml")
 
 
 def corrupted_render(monkeypatch: pytest.MonkeyPatch, corrupt: Corruption) -> None:

@@ -44,7 +44,7 @@ RENDERED = [
     "etc/polkit-1/rules.d/50-llm-appliance.rules",
 ]
 # The spec itself is installed beside the rendered files, where the units name it.
-DEMO_FILES = sorted([*RENDERED, "etc/llm-appliance/demo.toml"])
+DEMO_FILES = sorted([*RENDERED, "etc/llm-appliance/demo-draft.toml"])
 # file:line: error: field: message, then an indented fix.
 REPORT_LINE = re.compile(r"^(?P<file>/\S+):(?P<line>\d+): error: (?P<field>[\w.\[\]]+): (?P<message>.+)$", re.M)
 Run = Callable[..., tuple[int, str, str]]
@@ -73,16 +73,16 @@ def files_under(root: Path) -> list[str]:
 
 @pytest.fixture
 def demo(example: Callable[..., Path]) -> Path:
-    return example("demo.toml")
+    return example("demo-draft.toml")
 
 
 @pytest.fixture
 def bad_demo(example: Callable[..., Path]) -> Path:
-    """The demo with two errors, in a directory of its own (the example fixture writes tmp_path/demo.toml)."""
-    written = example("demo.toml", replace={"n_max = 8": "n_maxx = 8", "port = 8080": "port = 0"})
+    """The demo with two errors, in a directory of its own (the example fixture writes tmp_path/demo-draft.toml)."""
+    written = example("demo-draft.toml", replace={"n_max = 8": "n_maxx = 8", "port = 8080": "port = 0"})
     (written.parent / "bad").mkdir()
-    bad = written.replace(written.parent / "bad" / "demo.toml")
-    example("demo.toml")  # the good demo again, for a test that uses both
+    bad = written.replace(written.parent / "bad" / "demo-draft.toml")
+    example("demo-draft.toml")  # the good demo again, for a test that uses both
     return bad
 
 
@@ -131,7 +131,7 @@ def test_gpu_spec_without_memory_is_refused_without_nvml(
 
 
 def test_validate_prints_warnings_on_stderr(cli: Run, example: Callable[..., Path]) -> None:
-    spec = example("demo.toml", replace={"n_max = 8": "n_max = 20"})
+    spec = example("demo-draft.toml", replace={"n_max = 8": "n_max = 20"})
     code, out, err = cli("validate", spec)
     assert code == EXIT_OK
     assert out == f"{spec}: valid (1 warning)\n"
@@ -211,7 +211,7 @@ def test_render_out_writes_the_files_and_rewrites_nothing_the_second_time(cli: R
     assert code == EXIT_OK, err
     assert out == f"rendered {len(DEMO_FILES)} files into {out_dir} ({len(DEMO_FILES)} changed)\n"
     assert files_under(out_dir) == DEMO_FILES
-    assert (out_dir / "etc/llm-appliance/demo.toml").read_text() == demo.read_text()
+    assert (out_dir / "etc/llm-appliance/demo-draft.toml").read_text() == demo.read_text()
     snapshot = json.loads((out_dir / "etc/llm-appliance/rendered/appliance.json").read_text())
     argv = snapshot["resolved"]["argv"]
     assert argv[0] == str(find_binary(load_spec(demo).spec))
@@ -284,7 +284,7 @@ def test_status_compares_the_spec_on_disk_with_the_applied_snapshot(cli: Run, de
         f"status: {root}/{SNAPSHOT.relative_to('/')} does not exist: nothing is applied; run `llm-appliance apply SPEC`\n",
     )
     assert cli("apply", demo, "--root", root)[0] == EXIT_OK
-    installed = root / "etc/llm-appliance/demo.toml"
+    installed = root / "etc/llm-appliance/demo-draft.toml"
     code, out, _ = cli("status", "--root", root)
     assert (code, out.splitlines()[-1]) == (EXIT_OK, f"spec: {installed} is what is applied")
 
@@ -315,7 +315,7 @@ def test_apply_diff_after_an_edit(cli: Run, demo: Path, tmp_path: Path) -> None:
     assert code == EXIT_OK
     assert "--- a/etc/llm-appliance/rendered/appliance.json\n+++ b/etc/llm-appliance/rendered/appliance.json\n" in out
     assert '       "--temp",\n-      "0",\n+      "0.2",\n' in out
-    assert "--- a/etc/llm-appliance/demo.toml\n" in out
+    assert "--- a/etc/llm-appliance/demo-draft.toml\n" in out
     assert "-temperature = 0.0 " in out and "+temperature = 0.2 " in out
     assert f"would update {launch}\n" in out
     assert "scrape.yml" not in out  # unchanged files are neither diffed nor listed
@@ -365,11 +365,11 @@ def test_apply_whose_write_fails_exits_3_and_leaves_no_temporary(
     assert code == EXIT_APPLY
     # The changes were listed before the write failed on the first of them.
     assert out.splitlines() == [
-        f"update {root}/etc/llm-appliance/demo.toml",
+        f"update {root}/etc/llm-appliance/demo-draft.toml",
         f"update {root}/etc/llm-appliance/rendered/appliance.json",
     ]
     assert err == (
-        f"apply: cannot write {root}/etc/llm-appliance/demo.toml: No space left on device; nothing after it was written\n"
+        f"apply: cannot write {root}/etc/llm-appliance/demo-draft.toml: No space left on device; nothing after it was written\n"
     )
     assert {p: (root / p).read_text() for p in DEMO_FILES} == before
     assert files_under(root) == DEMO_FILES  # no temporary file left behind
@@ -453,7 +453,7 @@ def test_an_exporter_port_in_use_is_a_clear_error(
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        spec = example("demo.toml", {"port = 9478": f"port = {port}"})
+        spec = example("demo-draft.toml", {"port = 9478": f"port = {port}"})
         assert main(["apply", str(spec), "--root", str(tmp_path / "root")]) == EXIT_OK
         assert main(["health", "--snapshot", str(tmp_path / "root" / SNAPSHOT.relative_to("/"))]) == 3
     err = capsys.readouterr().err

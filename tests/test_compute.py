@@ -80,7 +80,7 @@ def test_a_layer_split_gives_each_gpu_a_compute_buffer_of_its_own(example: Calla
         assert all(found[0] >= model_peaks.body for found in computes.values() if found)
 
 
-@pytest.mark.parametrize("name", ["demo.toml", "appliance.toml", "dual-gpu.toml"])
+@pytest.mark.parametrize("name", ["demo-draft.toml", "appliance.toml", "dual-gpu.toml"])
 def test_the_largest_context_fits_and_one_step_more_does_not(example: Callable[[str], Path], name: str) -> None:
     facts = EXAMPLE_FACTS[name]
     planned = validate(example(name), facts=facts).plan
@@ -148,5 +148,5 @@ def test_tune_ctx_max_replans_at_the_longest_context_and_writes_it(example: Call
     from test_tune import START, Landscape, peaked
 
     result = tune(START, {"code": 1.0}, default_params(), Landscape(peaked), tolerance=0.0)
-    text = updated_spec(example("demo.toml").read_text(), result, "suite-v1", "2026-01-01T00:00:00+00:00", ctx)
+    text = updated_spec(example("demo-draft.toml").read_text(), result, "suite-v1", "2026-01-01T00:00:00+00:00", ctx)
     assert tomllib.loads(text)["server"]["ctx_size"] == ctx

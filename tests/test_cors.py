@@ -106,7 +106,7 @@ def serve(example: Callable[..., Path], tmp_path: Path) -> Iterator[Callable[...
 
     def start(replace: dict[str, str] | None = None, edit: Callable[[list[str]], list[str]] = list) -> Server:
         port = free_port()
-        spec = example("demo.toml", {"port = 8080": f"port = {port}", **(replace or {})})
+        spec = example("demo-draft.toml", {"port = 8080": f"port = {port}", **(replace or {})})
         argv = edit(list(resolved(spec).argv))
         servers.append(Server(argv, port, tmp_path / f"llama-server-{len(servers)}.log"))
         return servers[-1]

@@ -29,7 +29,7 @@ def result(name: str, *samples: Sample) -> WorkloadResult:
 
 def bench(draft: list[WorkloadResult], plain: list[WorkloadResult], **energy: object) -> BenchResult:
     return BenchResult(
-        spec=Path("demo.toml"),
+        spec=Path("demo-draft.toml"),
         suite="suite-v1",
         mode="standalone",
         reps=2,

@@ -106,7 +106,7 @@ def test_every_selector_carries_the_specs_labels(
 ) -> None:
     for name, board in example_boards.items():
         value = {
-            "demo.toml": "demo",
+            "demo-draft.toml": "demo",
             "demo-draft.toml": "demo-draft",
             "appliance.toml": "workstation",
             "dual-gpu.toml": "dual-gpu",
@@ -115,18 +115,19 @@ def test_every_selector_carries_the_specs_labels(
             assert labelled(expr, [f'appliance="{value}"']) == [], (name, expr)
     # Two labels, one of them needing escapes: both in every selector, quoted as PromQL reads them back.
     spec = example(
-        "demo.toml", {'labels = { appliance = "demo" }': 'labels = { appliance = "demo", team = "ml \\"core\\"" }'}
+        "demo-draft.toml",
+        {'labels = { appliance = "demo" }': 'labels = { appliance = "demo", team = "ml \\"core\\"" }'},
     )
     board = dashboard_of(render(resolve(validate(spec).plan, spec)))
     for expr in exprs(board):
         assert labelled(expr, ['appliance="demo"', 'team="ml \\"core\\""']) == [], expr
-    assert board["uid"] != example_boards["demo.toml"]["uid"]  # imported beside the demo's, not over it
+    assert board["uid"] != example_boards["demo-draft.toml"]["uid"]  # imported beside the demo's, not over it
     assert len(board["uid"]) <= 40  # Grafana's limit
     assert board["title"] == 'llm-appliance (appliance=demo, team=ml "core")'
 
 
 def test_gpu_panels_only_on_gpu_specs(example_boards: dict[str, dict[str, Any]]) -> None:
-    assert not [e for e in exprs(example_boards["demo.toml"]) if GPU_METRICS.search(e)]
+    assert not [e for e in exprs(example_boards["demo-draft.toml"]) if GPU_METRICS.search(e)]
     for name in ("appliance.toml", "dual-gpu.toml"):
         gpu = {
             p["title"] for p in panels(example_boards[name]) if any(GPU_METRICS.search(t["expr"]) for t in p["targets"])
@@ -154,7 +155,7 @@ def test_the_specs_thresholds_are_drawn(example_boards: dict[str, dict[str, Any]
 
 
 def test_no_speculation_panels_without_a_draft(example: Callable[..., Path]) -> None:
-    spec = example("demo.toml", {'type = "draft-simple"': 'type = "none"'})
+    spec = example("demo-draft.toml", {'type = "draft-simple"': 'type = "none"'})
     spec.write_text(re.sub(r"\[models\.draft\]\n(.+\n)+\n", "", spec.read_text()))
     board = dashboard_of(render(resolve(validate(spec).plan, spec)))
     assert not [e for e in exprs(board) if SPECULATION_METRICS.search(e)]

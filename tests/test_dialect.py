@@ -112,7 +112,7 @@ CORS_WARNING = "warning server.cors_origins: "
 def _demo_argv(example: Callable[..., Path], dialect: Dialect, **replace: str) -> tuple[list[str], list[str]]:
     """The demo's argv and its problems; the one warning of a binary without --cors-origins is checked and left
     out (test_older_dialect_cannot_deny_cross_origin_reads says what it is)."""
-    spec = load_spec(example("demo.toml", replace or None)).spec
+    spec = load_spec(example("demo-draft.toml", replace or None)).spec
     argv, problems = build_argv(spec, dialect, BINARY, draft_in_use=True, alias=ALIAS)
     found = [f"{p.severity.value} {p.field}: {p.message}" for p in problems]
     if not dialect.accepts("--cors-origins"):
@@ -177,14 +177,16 @@ def test_current_dialect_grants_no_origin(example: Callable[..., Path], real_dia
 
 
 def test_older_dialect_cannot_deny_cross_origin_reads(example: Callable[..., Path], older_dialect: Dialect) -> None:
-    spec = load_spec(example("demo.toml")).spec
+    spec = load_spec(example("demo-draft.toml")).spec
     argv, problems = build_argv(spec, older_dialect, BINARY, draft_in_use=True, alias=ALIAS)
     assert not any(arg.startswith("--cors") for arg in argv)
     assert [(p.severity, p.field) for p in problems] == [(Severity.WARNING, "server.cors_origins")]
     assert "default grants every origin" in problems[0].message
     assert "engine install" in problems[0].fix
     # A spec that names its UI's origin cannot have it there: every origin would be granted.
-    widened = load_spec(example("demo.toml", {"threads = 2": 'threads = 2\ncors_origins = ["https://ui.example"]'}))
+    widened = load_spec(
+        example("demo-draft.toml", {"threads = 2": 'threads = 2\ncors_origins = ["https://ui.example"]'})
+    )
     _, problems = build_argv(widened.spec, older_dialect, BINARY, draft_in_use=True, alias=ALIAS)
     assert [(p.severity, p.field) for p in problems] == [(Severity.ERROR, "server.cors_origins")]
     assert "--cors-origins" in problems[0].message
@@ -212,7 +214,7 @@ def test_quantized_draft_cache_needs_ctkd(example: Callable[..., Path], older_di
 
 def test_dialect_without_a_draft_model_flag(example: Callable[..., Path], older_dialect: Dialect) -> None:
     crippled = Dialect(older_dialect.flags - {"-md", "--model-draft"}, "a draftless llama-server")
-    spec = load_spec(example("demo.toml")).spec
+    spec = load_spec(example("demo-draft.toml")).spec
     _, problems = build_argv(spec, crippled, BINARY, draft_in_use=True, alias=ALIAS)
     errors = [p for p in problems if p.severity is Severity.ERROR]
     assert [p.field for p in errors] == ["models.draft.path"]
@@ -221,7 +223,7 @@ def test_dialect_without_a_draft_model_flag(example: Callable[..., Path], older_
 
 
 def test_eagle3_needs_spec_type(example: Callable[..., Path], older_dialect: Dialect) -> None:
-    spec = load_spec(example("demo.toml", {'type = "draft-simple"': 'type = "draft-eagle3"'})).spec
+    spec = load_spec(example("demo-draft.toml", {'type = "draft-simple"': 'type = "draft-eagle3"'})).spec
     assert spec.speculative.type == "draft-eagle3"
     _, problems = build_argv(spec, older_dialect, BINARY, draft_in_use=True, alias=ALIAS)
     errors = [p for p in problems if p.severity is Severity.ERROR]
@@ -262,7 +264,7 @@ def _get(url: str) -> int:
 
 @pytest.mark.engine
 def test_planned_argv_drafts_for_real(example: Callable[..., Path], engine_binary: Path, tmp_path: Path) -> None:
-    result = validate(example("demo.toml"))  # the real machine: the real binary's dialect
+    result = validate(example("demo-draft.toml"))  # the real machine: the real binary's dialect
     argv = list(result.plan.argv)
     assert argv[0] == str(engine_binary)
     port = _free_port()

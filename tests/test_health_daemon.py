@@ -31,7 +31,7 @@ pytestmark = pytest.mark.engine
 
 def fast_demo(example: Callable[..., Path], server_port: int, exporter_port: int) -> Path:
     return example(
-        "demo.toml",
+        "demo-draft.toml",
         {
             "port = 8080": f"port = {server_port}",
             "port = 9478": f"port = {exporter_port}",

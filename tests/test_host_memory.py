@@ -190,7 +190,7 @@ HOST_MIB = 800
 
 def demo_with(example: Callable[..., Path], ctx: int) -> Path:
     return example(
-        "demo.toml",
+        "demo-draft.toml",
         {"ctx_size = 4096": f"ctx_size = {ctx}", "[network]": f"[memory]\nhost_total_mib = {HOST_MIB}\n\n[network]"},
     )
 

@@ -118,7 +118,7 @@ def launch(tmp_path: Path, example: Callable[[str], Path]) -> Iterator[Callable[
 
     def start(edit: Callable[[list[str]], list[str]] = lambda argv: argv, stop_timeout: float = 10.0) -> Running:
         port = free_port()
-        appliance = resolved(example("demo.toml"))
+        appliance = resolved(example("demo-draft.toml"))
         argv = [
             str(port) if previous == "--port" else arg
             for previous, arg in zip(["", *appliance.argv], appliance.argv, strict=False)

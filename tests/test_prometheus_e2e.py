@@ -50,7 +50,7 @@ ALERT_SECONDS = 10 * (INTERVAL_SECONDS + INTERVAL_SECONDS + FOR_SECONDS + INTERV
 
 def fast_spec(example: Callable[..., Path], server_port: int, exporter_port: int) -> Path:
     return example(
-        "demo.toml",
+        "demo-draft.toml",
         {
             "port = 8080": f"port = {server_port}",
             "port = 9478": f"port = {exporter_port}",

@@ -409,7 +409,7 @@ HOSTS += ["127.0.0.2", "1.2.3.4 ", "0x7f000001", "2130706433", "127.1", "[::1]"]
 NETWORKS = ["127.0.0.0/8", "::1/128", "192.168.7.0/24", "0.0.0.0/0", "::/0", "fd00::/8", "10.0.0.1/32", "fe80::/10"]
 NETWORKS += ["::ffff:10.0.0.0/104", "10.0.0.0/8 ", "10.0.0.0", "fe80::1%eth0/128", "10.0.0.0/33"]
 PORTS = st.one_of(st.sampled_from([1, 22, 80, 8080, 9478, 65535, 0, -1, 65536]), st.integers(-2, 70000))
-FILE_NAMES = ["demo.toml", "my spec.toml", "it's.toml", 'say "hi".toml', "100%.toml", "%h.toml", "ünï.toml"]
+FILE_NAMES = ["demo-draft.toml", "my spec.toml", "it's.toml", 'say "hi".toml', "100%.toml", "%h.toml", "ünï.toml"]
 FILE_NAMES += ["$HOME.toml", "back\\slash.toml", "new\nline.toml", "tab\t.toml", "{{x}}.toml", "a: b.toml", "#1.toml"]
 FILE_NAMES += ["-dash.toml", "demo.json", "demo", "a;b.toml", "`x`.toml"]
 
@@ -439,7 +439,7 @@ def write_spec(
     models: Path, directory: Path, fields: dict[tuple[str, ...], Any], name: str, key: Path | None
 ) -> tuple[Path, str]:
     """The demo with `fields` set (and server.api_key_file, when `key`), written as `directory`/`name`."""
-    document = tomllib.loads(example_text("demo.toml", models))
+    document = tomllib.loads(example_text("demo-draft.toml", models))
     for path, value in fields.items():
         _set(document, path, value)
     if key is not None:
@@ -453,7 +453,7 @@ def write_spec(
 def refused_or_accepted(spec: Path, text: str, note: bool = True) -> None:
     """validate refuses the spec, or apply's check accepts every file rendered from it."""
     try:
-        result = validate(spec, facts=FACTS["demo.toml"], vocab_reader=cached_vocab)
+        result = validate(spec, facts=FACTS["demo-draft.toml"], vocab_reader=cached_vocab)
     except SpecInvalid as invalid:
         if note:
             event("refused", invalid.errors[0].field.split(".")[0])
@@ -483,24 +483,32 @@ def test_every_valid_spec_renders_files_their_checkers_accept(
 
 # Each input class the property above found, one example each, with what the checker said on Debian 12.
 FOUND = {
-    "schedule-not-a-calendar": ({("restart", "schedule"): "whenever it suits"}, "demo.toml", None),  # systemd
-    "schedule-cron-syntax": ({("restart", "schedule"): "0 4 * * *"}, "demo.toml", None),  # Failed to parse calendar
-    "schedule-trailing-backslash": ({("restart", "schedule"): "daily\\"}, "demo.toml", None),  # joins the next line
-    "schedule-specifier": ({("restart", "schedule"): "daily%h"}, "demo.toml", None),  # systemd expands %h
-    "label-go-template": ({("prometheus", "labels"): {"appliance": "a{{b"}}, "demo.toml", None),  # function "b"
-    "label-line-separator": ({("prometheus", "labels"): {"appliance": "a\u2028b"}}, "demo.toml", None),  # yaml
-    "label-control-character": ({("prometheus", "labels"): {"appliance": "a\x7fb"}}, "demo.toml", None),  # yaml
-    "host-ipv6-zone": ({("prometheus", "host"): "fe80::1%eth0"}, "demo.toml", None),  # Address prefix is invalid
-    "allow-ipv6-zone": ({("network", "allow"): ["::1/128", "fe80::1%eth0/128"]}, "demo.toml", None),  # nft junk
+    "schedule-not-a-calendar": ({("restart", "schedule"): "whenever it suits"}, "demo-draft.toml", None),  # systemd
+    "schedule-cron-syntax": (
+        {("restart", "schedule"): "0 4 * * *"},
+        "demo-draft.toml",
+        None,
+    ),  # Failed to parse calendar
+    "schedule-trailing-backslash": (
+        {("restart", "schedule"): "daily\\"},
+        "demo-draft.toml",
+        None,
+    ),  # joins the next line
+    "schedule-specifier": ({("restart", "schedule"): "daily%h"}, "demo-draft.toml", None),  # systemd expands %h
+    "label-go-template": ({("prometheus", "labels"): {"appliance": "a{{b"}}, "demo-draft.toml", None),  # function "b"
+    "label-line-separator": ({("prometheus", "labels"): {"appliance": "a\u2028b"}}, "demo-draft.toml", None),  # yaml
+    "label-control-character": ({("prometheus", "labels"): {"appliance": "a\x7fb"}}, "demo-draft.toml", None),  # yaml
+    "host-ipv6-zone": ({("prometheus", "host"): "fe80::1%eth0"}, "demo-draft.toml", None),  # Address prefix is invalid
+    "allow-ipv6-zone": ({("network", "allow"): ["::1/128", "fe80::1%eth0/128"]}, "demo-draft.toml", None),  # nft junk
     "spec-name-quote": ({}, 'say "hi".toml', None),  # yaml: did not find expected key
     "spec-name-backslash": ({}, "back\\slash.toml", None),  # yaml: found unknown escape character
     "spec-name-newline": ({}, "new\nline.toml", None),  # units: Assignment outside of section; nft; yaml
     "spec-name-go-template": ({}, "{{x}}.toml", None),  # promtool: function "x" not defined
     "spec-name-control-character": ({}, "x\x7fy.toml", None),  # yaml: control characters are not allowed
-    "key-path-quote": ({}, "demo.toml", 'say "hi"'),  # the ServerDown description names the key file
-    "key-path-colon-space": ({}, "demo.toml", "a: b"),  # scrape.yml credentials_file: mapping values
-    "key-path-newline": ({}, "demo.toml", "new\nline"),  # scrape.yml: could not find expected ':'
-    "key-path-go-template": ({}, "demo.toml", "{{x}}"),  # promtool: function "x" not defined
+    "key-path-quote": ({}, "demo-draft.toml", 'say "hi"'),  # the ServerDown description names the key file
+    "key-path-colon-space": ({}, "demo-draft.toml", "a: b"),  # scrape.yml credentials_file: mapping values
+    "key-path-newline": ({}, "demo-draft.toml", "new\nline"),  # scrape.yml: could not find expected ':'
+    "key-path-go-template": ({}, "demo-draft.toml", "{{x}}"),  # promtool: function "x" not defined
 }
 
 

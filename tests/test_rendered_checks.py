@@ -109,7 +109,7 @@ def _server_unit(example: Callable[..., Path], name: str) -> dict[str, list[str]
 
 
 def test_cpu_demo_has_no_devices(example: Callable[..., Path]) -> None:
-    unit = _server_unit(example, "demo.toml")
+    unit = _server_unit(example, "demo-draft.toml")
     assert unit["PrivateDevices"] == ["yes"]
     assert "DeviceAllow" not in unit
     assert "DevicePolicy" not in unit
@@ -154,7 +154,7 @@ def lan_spec(example: Callable[..., Path], key_file: KeyFile) -> Callable[..., P
 
     def make(host: str = "0.0.0.0", **extra: str) -> Path:
         return example(
-            "demo.toml",
+            "demo-draft.toml",
             {
                 'host = "127.0.0.1"': f'host = "{host}"\napi_key_file = "{keys}"',
                 'allow = ["127.0.0.0/8", "::1/128"]': 'allow = ["192.168.7.0/24", "fd00::/8"]',
@@ -166,7 +166,7 @@ def lan_spec(example: Callable[..., Path], key_file: KeyFile) -> Callable[..., P
 
 
 def test_allowed_networks_land_in_their_sets(lan_spec: Callable[..., Path], service_user: str) -> None:
-    ruleset = _render(lan_spec(), "demo.toml")[NFT]
+    ruleset = _render(lan_spec(), "demo-draft.toml")[NFT]
     assert _set_elements(ruleset, "api_clients_v4") == ["192.168.7.0/24"]
     assert _set_elements(ruleset, "api_clients_v6") == ["fd00::/8"]
     assert "chain output" in ruleset
@@ -180,7 +180,7 @@ def test_loopback_example_sets(example: Callable[..., Path]) -> None:
 
 
 def test_egress_allow_has_no_output_chain(lan_spec: Callable[..., Path], service_user: str) -> None:
-    files = _render(lan_spec(**{'egress = "deny"': 'egress = "allow"'}), "demo.toml")
+    files = _render(lan_spec(**{'egress = "deny"': 'egress = "allow"'}), "demo-draft.toml")
     ruleset = files[NFT]
     assert "chain output" not in ruleset
     assert "skuid" not in ruleset
@@ -198,7 +198,7 @@ def _load_in_netns(ruleset: Path) -> dict[str, object]:
 
 
 def test_lan_ruleset_loads_and_reads_back(lan_spec: Callable[..., Path], service_user: str, tmp_path: Path) -> None:
-    files = _render(lan_spec(), "demo.toml")
+    files = _render(lan_spec(), "demo-draft.toml")
     path = tmp_path / "lan.nft"
     path.write_text(files[NFT])
     listed = _load_in_netns(path)["nftables"]
@@ -221,7 +221,7 @@ def test_lan_ruleset_loads_and_reads_back(lan_spec: Callable[..., Path], service
 
 def test_lan_spec_scrape_uses_the_api_key(lan_spec: Callable[..., Path], service_user: str) -> None:
     spec = lan_spec()
-    files = _render(spec, "demo.toml")
+    files = _render(spec, "demo-draft.toml")
     scrape = files[SCRAPE]
     assert f'credentials_file: "{load_spec(spec).spec.server.api_key_file}"' in scrape
     # 0.0.0.0 is scraped over loopback.
@@ -240,7 +240,7 @@ def _units(files: dict[str, str]) -> tuple[dict[str, list[str]], dict[str, list[
 
 
 def test_egress_deny_filters_the_server_unit(lan_spec: Callable[..., Path]) -> None:
-    server, health = _units(_render(lan_spec(), "demo.toml"))
+    server, health = _units(_render(lan_spec(), "demo-draft.toml"))
     assert server["IPAddressDeny"] == ["any"]
     assert server["IPAddressAllow"] == ["localhost", "192.168.7.0/24", "fd00::/8"]
     # 0.0.0.0 is probed over loopback; the exporter listens on loopback: the health unit needs nothing more.
@@ -251,7 +251,7 @@ def test_egress_deny_filters_the_server_unit(lan_spec: Callable[..., Path]) -> N
 def test_egress_allow_leaves_the_server_unit_unfiltered(lan_spec: Callable[..., Path], service_user: str) -> None:
     """systemd's IPAddressDeny= holds outgoing connections too: with egress = "allow" the server unit has none,
     and the nftables input chain alone keeps out the clients network.allow does not name."""
-    files = _render(lan_spec(**{'egress = "deny"': 'egress = "allow"'}), "demo.toml")
+    files = _render(lan_spec(**{'egress = "deny"': 'egress = "allow"'}), "demo-draft.toml")
     server, health = _units(files)
     assert "IPAddressDeny" not in server and "IPAddressAllow" not in server
     assert "ip saddr @api_clients_v4 accept" in files[NFT] and "counter drop" in files[NFT]
@@ -268,7 +268,7 @@ def test_the_servers_own_address_passes_both_units(
 ) -> None:
     """A server on one of the machine's own addresses is probed there (the launcher's /health, the health
     daemon) and local clients come from it: without it in IPAddressAllow the server never becomes READY."""
-    files = _render(lan_spec(host), "demo.toml")
+    files = _render(lan_spec(host), "demo-draft.toml")
     server, health = _units(files)
     assert server["IPAddressAllow"] == ["localhost", "192.168.7.0/24", "fd00::/8", own]
     assert health["IPAddressAllow"] == ["localhost", own]
@@ -277,5 +277,5 @@ def test_the_servers_own_address_passes_both_units(
 
 def test_an_exporter_beyond_loopback_passes_its_clients_and_own_address(lan_spec: Callable[..., Path]) -> None:
     spec = lan_spec("192.168.7.5", **{"port = 9478": 'host = "192.168.7.6"\nport = 9478'})
-    _, health = _units(_render(spec, "demo.toml"))
+    _, health = _units(_render(spec, "demo-draft.toml"))
     assert health["IPAddressAllow"] == ["localhost", "192.168.7.5/32", "192.168.7.0/24", "fd00::/8", "192.168.7.6/32"]

@@ -28,7 +28,7 @@ needs_service_user = pytest.mark.skipif(
 
 
 def _units(spec: Path) -> dict[str, dict[str, list[str]]]:
-    files = render(resolve(validate(spec, facts=EXAMPLE_FACTS["demo.toml"]).plan, installed_spec_path(spec)))
+    files = render(resolve(validate(spec, facts=EXAMPLE_FACTS["demo-draft.toml"]).plan, installed_spec_path(spec)))
     return {
         name: service_settings(files[f"etc/systemd/system/{unit}"])
         for name, unit in (
@@ -40,7 +40,7 @@ def _units(spec: Path) -> dict[str, dict[str, list[str]]]:
 
 
 def _demo(example: Callable[..., Path], **edits: str) -> Path:
-    return example("demo.toml", {'path = "$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf"': "", **edits})
+    return example("demo-draft.toml", {'path = "$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf"': "", **edits})
 
 
 def test_a_model_in_a_home_is_bound_alone_and_the_rest_stays_hidden(
@@ -49,7 +49,7 @@ def test_a_model_in_a_home_is_bound_alone_and_the_rest_stays_hidden(
     model = home_dir / "models" / "smol.gguf"
     model.parent.mkdir(exist_ok=True)
     shutil.copy(fixture_models / "SmolLM2-135M-Instruct.Q4_1.gguf", model)
-    spec = example("demo.toml")
+    spec = example("demo-draft.toml")
     spec.write_text(spec.read_text().replace(str(fixture_models / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(model)))
     units = _units(spec)
     assert units["server"]["ProtectHome"] == ["tmpfs"]
@@ -57,7 +57,7 @@ def test_a_model_in_a_home_is_bound_alone_and_the_rest_stays_hidden(
     # Only the server opens models: the other units keep their homes shut.
     assert units["health"]["ProtectHome"] == ["yes"] and "BindReadOnlyPaths" not in units["health"]
     assert units["restart"]["ProtectHome"] == ["yes"]
-    files = render(resolve(validate(spec, facts=EXAMPLE_FACTS["demo.toml"]).plan, installed_spec_path(spec)))
+    files = render(resolve(validate(spec, facts=EXAMPLE_FACTS["demo-draft.toml"]).plan, installed_spec_path(spec)))
     assert check_tree(files).rejections == ()
 
 
@@ -70,7 +70,7 @@ def test_a_link_into_a_home_binds_the_file_it_leads_to(
     link = outside_tmp / "linked.gguf"
     link.unlink(missing_ok=True)
     link.symlink_to(blob)
-    spec = example("demo.toml")
+    spec = example("demo-draft.toml")
     spec.write_text(spec.read_text().replace(str(fixture_models / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(link)))
     assert _units(spec)["server"]["BindReadOnlyPaths"] == [f'"{blob}"']
 
@@ -81,9 +81,9 @@ def test_a_model_in_tmp_is_bound_and_warned_of(
     model = tmp_path / "smol.gguf"
     shutil.copy(fixture_models / "SmolLM2-135M-Instruct.Q4_1.gguf", model)
     model.chmod(0o644)
-    spec = example("demo.toml")
+    spec = example("demo-draft.toml")
     spec.write_text(spec.read_text().replace(str(fixture_models / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(model)))
-    result = validate(spec, facts=EXAMPLE_FACTS["demo.toml"])
+    result = validate(spec, facts=EXAMPLE_FACTS["demo-draft.toml"])
     assert [w.field for w in result.warnings] == ["models.target.path", "models.draft.path"]
     assert "empties /tmp at boot" in result.warnings[0].message
     assert _units(spec)["server"]["BindReadOnlyPaths"] == [f'"{model}"']
@@ -91,7 +91,7 @@ def test_a_model_in_tmp_is_bound_and_warned_of(
 
 @pytest.mark.parametrize(("port", "granted"), [(8080, False), (80, True)])
 def test_a_low_server_port_gets_the_one_capability(example: Callable[..., Path], port: int, granted: bool) -> None:
-    units = _units(example("demo.toml", {"port = 8080": f"port = {port}"}))
+    units = _units(example("demo-draft.toml", {"port = 8080": f"port = {port}"}))
     server = units["server"]
     if granted:
         assert server["CapabilityBoundingSet"] == ["CAP_NET_BIND_SERVICE"]
@@ -104,7 +104,7 @@ def test_a_low_server_port_gets_the_one_capability(example: Callable[..., Path],
 
 
 def test_a_low_exporter_port_gets_the_capability_in_the_health_unit(example: Callable[..., Path]) -> None:
-    units = _units(example("demo.toml", {"port = 9478": "port = 443"}))
+    units = _units(example("demo-draft.toml", {"port = 9478": "port = 443"}))
     assert units["health"]["AmbientCapabilities"] == ["CAP_NET_BIND_SERVICE"]
     assert units["server"]["AmbientCapabilities"] == [""]
 
@@ -122,19 +122,19 @@ def test_the_spec_files_name_cannot_break_a_header_line(
     tmp_path: Path, example: Callable[..., Path], name: str, refused: bool
 ) -> None:
     spec = tmp_path / name
-    spec.write_text(example("demo.toml").read_text())
+    spec.write_text(example("demo-draft.toml").read_text())
     if not refused:
-        validate(spec, facts=EXAMPLE_FACTS["demo.toml"])
+        validate(spec, facts=EXAMPLE_FACTS["demo-draft.toml"])
         return
     with pytest.raises(SpecInvalid) as caught:
-        validate(spec, facts=EXAMPLE_FACTS["demo.toml"])
+        validate(spec, facts=EXAMPLE_FACTS["demo-draft.toml"])
     assert [p.field for p in caught.value.errors] == ["(the spec file's name)"]
     assert "rename the file" in caught.value.errors[0].fix
 
 
 def test_a_schedule_in_the_past_is_warned_of(example: Callable[..., Path]) -> None:
-    spec = example("demo.toml", {"max_per_hour = 6": 'max_per_hour = 6\nschedule = "2020-01-01"'})
-    warnings = validate(spec, facts=EXAMPLE_FACTS["demo.toml"]).warnings
+    spec = example("demo-draft.toml", {"max_per_hour = 6": 'max_per_hour = 6\nschedule = "2020-01-01"'})
+    warnings = validate(spec, facts=EXAMPLE_FACTS["demo-draft.toml"]).warnings
     assert [(w.field, "never comes again" in w.message) for w in warnings] == [("restart.schedule", True)]
 
 

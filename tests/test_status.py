@@ -24,7 +24,7 @@ from appliance.system import paths
 def calm_demo(example: Callable[..., Path]) -> Path:
     """The demo on free ports, checked every 2 s, no canary: no traffic, so no decode window and no restart."""
     return example(
-        "demo.toml",
+        "demo-draft.toml",
         {
             "port = 8080": f"port = {free_port()}",
             "port = 9478": f"port = {free_port()}",

@@ -43,6 +43,11 @@ def table_of(kind: str) -> str:
     return kind.replace("-", "_")
 
 
+def type_value(types: tuple[str, ...]) -> str | list[str]:
+    """speculative.type as a spec writes it: "none", one type, or a list of them."""
+    return "none" if not types else types[0] if len(types) == 1 else list(types)
+
+
 def uses_draft(types: tuple[str, ...]) -> bool:
     return any(kind.startswith("draft-") for kind in types)
 
@@ -140,7 +145,7 @@ class Config:
         return " + ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
-        values: dict[str, Any] = {"type": list(self.types) or "none"}
+        values: dict[str, Any] = {"type": type_value(self.types)}
         if self.draft:
             values.update(n_max=self.n_max, n_min=self.n_min, p_min=self.p_min)
             if self.draft_gpu_layers is not None:
@@ -169,7 +174,7 @@ def spec_values(config: Config) -> dict[str, dict[str, Any]]:
     configuration onto the spec, used for the servers bench starts and for `tune --write`."""
     if not config.types:
         return {"speculative": {"type": "none"}}
-    speculative: dict[str, Any] = {"type": list(config.types) if len(config.types) > 1 else config.types[0]}
+    speculative: dict[str, Any] = {"type": type_value(config.types)}
     if config.draft:
         speculative.update(n_max=config.n_max, n_min=config.n_min, p_min=float(config.p_min))
     speculative.update(_ngram_tables(config))
@@ -191,7 +196,8 @@ def configured(spec: Spec, config: Config) -> Spec:
             spec = _with(spec, section.split("."), values)
         except ValidationError as exc:
             problem = exc.errors()[0]
-            where = ".".join(str(part) for part in problem["loc"])
+            # pydantic's loc mixes field names with its own validator tags ("constrained-int").
+            where = ".".join(str(part) for part in problem["loc"] if "-" not in str(part))
             raise BenchError(f"{config.label()}: {section}.{where}: {problem['msg']}") from None
     return spec
 

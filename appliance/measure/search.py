@@ -8,8 +8,8 @@ draft's n_max, n_min, p_min, gpu layers and cache type; an n-gram type's sizes),
 walk the grid upwards while it is not slower, downwards only when upwards did not help, stop a direction at
 the first slower value. Every configuration is measured once (all workloads at each start) and remembered,
 and the best measured configuration wins, "none" included: where nothing pays, the answer is none. The
-descent runs from the best type of the workload mix (the weighted harmonic mean of the rates) and of each
-workload whose best type differs, sharing what was measured. A configuration is a candidate only when the
+descent runs for the workload mix (the weighted harmonic mean of the rates) and for each workload alone,
+each from its own best type, sharing what was measured. A configuration is a candidate only when the
 spec would accept it (`config.valid`).
 """
 
@@ -246,7 +246,7 @@ class TuneResult:
     weights: dict[str, float]
     params: list[Param]
     table: dict[Config, Rates]  # every configuration measured, in order
-    searches: dict[str, Search]  # "mix" and each workload whose best type differs from the mix's
+    searches: dict[str, Search]  # "mix" and each workload
     choice: Config
     profiles: dict[str, Config]
     grid_size: int
@@ -327,8 +327,7 @@ def tune(
     types: Sequence[tuple[str, ...]] = (),
 ) -> TuneResult:
     """The type phase (the start's types, `types`, and none, each at the start's values), then the descent
-    of the best type's parameters for the mix and for each workload whose best type differs, sharing one
-    memo; the best measured configuration for the mix is the choice, each workload's best measured one its
+    of the best type's parameters for the mix and for each workload, sharing one memo; the best measured configuration for the mix is the choice, each workload's best measured one its
     profile. Without `types`, only the start's own type is searched (and none measured beside it)."""
     walk = params if isinstance(params, Params) else Params(list(params), {})
     memo = Memo(measure)
@@ -337,12 +336,8 @@ def tune(
         memo(candidate)
     objectives = {"mix": harmonic_mix(weights), **{name: single(name) for name in weights}}
     searches: dict[str, Search] = {}
-    descended: set[tuple[str, ...]] = set()
     for name, objective in objectives.items():
         base, _ = best_of({c: memo.table[c] for c in candidates}, objective)
-        if base.types in descended:
-            continue
-        descended.add(base.types)
         searches[name] = descend(objective, base, walk.of(base), memo, tolerance)
     choice, _ = best_of(memo.table, harmonic_mix(weights))
     profiles = {name: best_of(memo.table, single(name))[0] for name in weights}

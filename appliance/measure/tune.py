@@ -138,9 +138,9 @@ def candidate_types(validated: Validated, text: str | None) -> list[tuple[str, .
         found = [(), ("ngram-mod",), ("ngram-simple",)]
         if has_draft:
             found[1:1] = [("draft-simple",), ("draft-simple", "ngram-mod")]
-    listed: frozenset[str] | None = getattr(validated.facts.dialect, "spec_types", None)
+    listed = validated.facts.dialect.spec_types  # empty: the binary's --help lists none to check against
     for types in found:
-        unknown = [t for t in types if listed is not None and t not in listed]
+        unknown = [t for t in types if listed and t not in listed]
         if unknown:
             raise BenchUsage(f"--types: {', '.join(unknown)} is not a --spec-type of {validated.facts.dialect.source}")
         if any(t.startswith("draft-") for t in types) and not has_draft:

@@ -443,13 +443,19 @@ def _workload_names(value: dict[str, object]) -> None:
 
 
 class TuningProfile(Strict):
-    """The speculative values `llm-appliance tune` measured best for one workload, and its decode rate there."""
+    """The speculative values `llm-appliance tune` measured best for one workload, and its decode rate there:
+    its type, the draft's values where it drafts, and an n-gram type's own where they differ from the engine's."""
 
-    n_max: Annotated[int, Field(ge=1, le=64)]
+    type: SpecTypes = "draft-simple"
+    n_max: Annotated[int, Field(ge=1, le=64)] | None = None
     n_min: Annotated[int, Field(ge=0, le=64)] = 0
     p_min: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     draft_gpu_layers: GpuLayers | None = None
     draft_cache_type: CacheType | None = None
+    ngram_mod: NgramMod | None = None
+    ngram_simple: NgramSizes | None = None
+    ngram_map_k: NgramSizes | None = None
+    ngram_map_k4v: NgramSizes | None = None
     decode_tps: Annotated[float, Field(ge=0.0)] | None = None
 
 
