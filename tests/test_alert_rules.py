@@ -418,6 +418,31 @@ def test_at_least_the_issues_alerts(rules: dict[str, Rule]) -> None:
     assert set(FOR_FIELD) == set(rules)  # the GPU example with a draft has them all
 
 
+def test_ngram_speculation_without_a_draft_gets_the_speculation_alerts(tmp_path: Path, fixture_models: Path) -> None:
+    text = (EXAMPLES / EXAMPLE).read_text().replace(INSTALLED_MODELS, str(fixture_models))
+    draft = text[text.index("[models.draft]") : text.index("[speculative]")]  # n-grams need no draft model
+    replace = {draft: "", 'type = "draft-simple"': 'type = "ngram-mod"'}
+    rules_path = render_example(tmp_path, fixture_models, replace)
+    rules = parse_rules(rules_path.read_text())
+    assert "draft_configured" not in rules["LlmApplianceSpeculationNotEngaged"].expr  # that gauge means a draft model
+    assert "n-gram" in rules["LlmApplianceSpeculationNotEngaged"].annotations["summary"]
+    assert "n-gram" in rules["LlmApplianceAcceptanceLow"].annotations["description"]
+    n = steps("LlmApplianceSpeculationNotEngaged")
+    engaged, configured = (
+        series("llm_appliance_speculation_engaged", HEALTH),
+        series("llm_appliance_draft_configured", HEALTH),
+    )
+    fires = Case(
+        "LlmApplianceSpeculationNotEngaged",
+        "ngram-not-engaged",
+        {engaged: run((1, 4), (0, n + 10)), configured: run((0, n + 14))},
+        4 + n,
+        HEALTH,
+    )
+    result = promtool_test(rules_path, fires, tmp_path)
+    assert result.returncode == 0, f"{result.stdout}{result.stderr}"
+
+
 def test_every_alert_has_for_severity_labels_and_says_what_to_do(rules: dict[str, Rule]) -> None:
     for rule in rules.values():
         assert rule.for_ == duration(getattr(SPEC.prometheus.alert_for_seconds, FOR_FIELD[rule.alert])), rule.alert

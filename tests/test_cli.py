@@ -163,6 +163,7 @@ def test_explain(cli: Run, demo: Path, fixture_models: Path) -> None:
     assert f"target: {fixture_models / SMOLLM2} (llama, Q4_1, 30 layers, trained ctx 8192)\n" in out
     assert f"dialect: {find_binary(load_spec(demo).spec)}\n" in out
     assert "    --spec-type draft-simple \\\n" in out
+    assert "\nspeculation: draft-simple (llama-server speculates)\n  draft-simple: n_max 8, n_min 0, p_min 0\n" in out
     assert "no GPU device in the plan (CPU only)" in out
     host = out[out.index("\nhost RAM: ") : out.index("\nwarnings:")]
     assert re.search(r"host RAM: \d+\.\d\d of \d+\.\d\d GiB usable \(\d+\.\d\d GiB x 0\.9\)", host), host
@@ -170,6 +171,30 @@ def test_explain(cli: Run, demo: Path, fixture_models: Path) -> None:
     assert re.search(r"  prompt cache \(--cache-ram \d+ MiB: what the budget leaves, at most 8192\) ", host), host
     assert "  (available now, MemAvailable: " in host
     assert out.endswith("warnings:\n  none\n")
+
+
+def test_explain_shows_the_speculation_types_and_their_parameters(cli: Run, example: Callable[..., Path]) -> None:
+    replace = {
+        'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]',
+        "[network]": "[speculative.ngram_mod]\nn_match = 16\n\n[network]",
+    }
+    spec = example("demo.toml", replace)
+    code, out, err = cli("explain", spec)
+    assert code == EXIT_OK, err
+    assert "\nspeculation: draft-simple, ngram-mod (llama-server speculates)\n" in out
+    assert "\n  ngram-mod: n_match 16, n_min engine default, n_max engine default\n" in out
+    assert "    --spec-type draft-simple,ngram-mod \\\n" in out
+    code, out, err = cli("explain", spec, "--json")
+    assert code == EXIT_OK, err
+    assert json.loads(out)["speculation"] == {
+        "types": ["draft-simple", "ngram-mod"],
+        "speculates": True,
+        "draft_in_use": True,
+        "parameters": {
+            "draft-simple": {"n_max": 8, "n_min": 0, "p_min": 0.0},
+            "ngram-mod": {"n_match": 16, "n_min": None, "n_max": None},
+        },
+    }
 
 
 def test_schema_is_the_spec_schema(cli: Run) -> None:

@@ -162,6 +162,16 @@ def test_no_speculation_panels_without_a_draft(example: Callable[..., Path]) -> 
     assert "Decode tok/s by context bucket" in {p["title"] for p in panels(board)}
 
 
+def test_speculation_panels_for_ngram_speculation_without_a_draft(example: Callable[..., Path]) -> None:
+    spec = example("demo.toml", {'type = "draft-simple"': 'type = "ngram-mod"'})
+    spec.write_text(re.sub(r"\[models\.draft\]\n(.+\n)+\n", "", spec.read_text()))
+    board = dashboard_of(render(resolve(validate(spec).plan, spec)))
+    titles = {p["title"] for p in panels(board)}
+    assert {"Speculation", "Draft acceptance", "Mean accepted length"} <= titles
+    speculation = next(p for p in panels(board) if p["title"] == "Speculation")
+    assert "n-gram" in speculation["description"]
+
+
 # -- every query against a real Prometheus scraping the real demo appliance --
 
 # Rates need two scrapes in a window and a baseline needs its windows; a busy 2-core box stretches both. Every

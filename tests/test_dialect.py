@@ -12,11 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import gpu_facts
 
 from appliance.facts.dialect import Dialect, builtin_dialect, parse_help, read_binary_dialect
 from appliance.plan.argv import build_argv
 from appliance.plan.validate import validate
 from appliance.spec.load import load_spec
+from appliance.spec.model import NgramMod, NgramSizes, Speculative
 from appliance.spec.problems import Severity
 
 OLDER_HELP = Path(__file__).parent / "data" / "llama-server-older.help.txt"
@@ -75,6 +77,7 @@ def test_real_binary_matches_the_builtin_dialect(real_dialect: Dialect) -> None:
         f"only in appliance/dialects/: {sorted(builtin.flags - real_dialect.flags)}"
     )
     assert len(builtin.flags) > 300
+    assert real_dialect.spec_types == builtin.spec_types
 
 
 def test_help_parser_columns() -> None:
@@ -91,6 +94,121 @@ def test_help_parser_columns() -> None:
     )
     dialect = parse_help(text, "test")
     assert dialect.flags == {"-lm", "--load-mode", "--spec-draft-model", "-md", "--model-draft", "-fa", "--flash-attn"}
+
+
+PINNED_TYPES = (
+    "none",
+    "draft-simple",
+    "draft-eagle3",
+    "draft-mtp",
+    "draft-dflash",
+    "draft-dspark",
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+)
+
+
+def test_builtin_dialect_lists_the_speculation_types() -> None:
+    assert builtin_dialect().spec_types == PINNED_TYPES
+
+
+def test_help_parser_reads_the_spec_type_values() -> None:
+    text = "--spec-type none,draft-simple,ngram-mod\n                    comma-separated list of types\n"
+    assert parse_help(text, "test").spec_types == ("none", "draft-simple", "ngram-mod")
+    # A value placeholder is no list of values: the types are then judged by the flag alone.
+    assert parse_help("--spec-type TYPE      the type\n", "test").spec_types == ()
+
+
+def test_every_ngram_parameter_has_its_flag_in_the_pinned_build() -> None:
+    tables = {"ngram_mod": NgramMod, "ngram_simple": NgramSizes, "ngram_map_k": NgramSizes, "ngram_map_k4v": NgramSizes}
+    assert set(tables) == {name for name in Speculative.model_fields if name.startswith("ngram_")}
+    for table, model in tables.items():
+        for parameter in model.model_fields:
+            assert builtin_dialect().spelling(f"spec_{table}_{parameter}") is not None, (table, parameter)
+
+
+# --- speculation types and their parameters, rendered --------------------------------------------------------
+
+NGRAM_MOD = "[speculative.ngram_mod]\nn_match = 16\nn_min = 8\nn_max = 32\n"
+
+
+def test_a_list_of_types_is_one_spec_type_value(example: Callable[..., Path]) -> None:
+    result = validate(
+        example("demo.toml", {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]'}), facts=gpu_facts()
+    )
+    assert result.plan.spec.speculative.types == ("draft-simple", "ngram-mod")
+    argv = list(result.plan.argv)
+    assert _value(argv, "--spec-type") == "draft-simple,ngram-mod"
+    assert _value(argv, "--spec-draft-n-max") == "8"  # the draft's own, still
+    assert (result.plan.draft_in_use, result.plan.speculation) == (True, True)
+    written = example("demo.toml", {'type = "draft-simple"': 'type = "draft-simple,ngram-mod"'})
+    assert load_spec(written).spec.speculative == result.plan.spec.speculative
+
+
+def test_ngram_mod_parameters_are_rendered(example: Callable[..., Path]) -> None:
+    replace = {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]', "[network]": f"{NGRAM_MOD}\n[network]"}
+    argv = list(validate(example("demo.toml", replace), facts=gpu_facts()).plan.argv)
+    assert _value(argv, "--spec-ngram-mod-n-match") == "16"
+    assert _value(argv, "--spec-ngram-mod-n-min") == "8"
+    assert _value(argv, "--spec-ngram-mod-n-max") == "32"
+    assert not any(arg.startswith("--spec-ngram-simple") for arg in argv)
+
+
+def test_unset_ngram_parameters_are_the_engines(example: Callable[..., Path]) -> None:
+    replace = {
+        'type = "draft-simple"': 'type = ["draft-simple", "ngram-map-k"]',
+        "[network]": "[speculative.ngram_map_k]\nmin_hits = 2\n\n[network]",
+    }
+    argv = list(validate(example("demo.toml", replace), facts=gpu_facts()).plan.argv)
+    assert _value(argv, "--spec-ngram-map-k-min-hits") == "2"
+    assert "--spec-ngram-map-k-size-n" not in argv and "--spec-ngram-map-k-size-m" not in argv
+
+
+def _without_draft(text: str) -> str:
+    start = text.index("[models.draft]")
+    return text[:start] + text[text.index("[speculative]") :]
+
+
+def test_ngram_types_need_no_draft_model(example: Callable[..., Path]) -> None:
+    spec = example("demo.toml", {'type = "draft-simple"': 'type = "ngram-mod"', "[network]": f"{NGRAM_MOD}\n[network]"})
+    spec.write_text(_without_draft(spec.read_text()))
+    result = validate(spec, facts=gpu_facts())
+    assert result.warnings == []
+    argv = list(result.plan.argv)
+    assert _value(argv, "--spec-type") == "ngram-mod"
+    assert _value(argv, "--spec-ngram-mod-n-match") == "16"
+    assert not any(arg.startswith("--spec-draft-") for arg in argv)
+    assert (result.plan.draft_in_use, result.plan.speculation) == (False, True)
+
+
+def test_a_draft_type_without_its_draft_model_is_left_out(example: Callable[..., Path]) -> None:
+    spec = example("demo.toml", {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]'})
+    spec.write_text(_without_draft(spec.read_text()))
+    result = validate(spec, facts=gpu_facts())
+    assert [p.field for p in result.warnings] == ["models.draft"]  # only ngram-mod speculates
+    assert _value(list(result.plan.argv), "--spec-type") == "ngram-mod"
+
+
+def test_no_type_no_speculation(example: Callable[..., Path]) -> None:
+    spec = example("demo.toml", {'type = "draft-simple"': 'type = "none"'})
+    spec.write_text(_without_draft(spec.read_text()))
+    result = validate(spec, facts=gpu_facts())
+    assert "--spec-type" not in result.plan.argv
+    assert (result.plan.draft_in_use, result.plan.speculation) == (False, False)
+
+
+def test_older_dialect_lists_no_types_and_takes_a_draft_alone(
+    example: Callable[..., Path], older_dialect: Dialect
+) -> None:
+    assert older_dialect.spec_types == ()
+    spec = load_spec(example("demo.toml", {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]'})).spec
+    _, problems = build_argv(spec, older_dialect, BINARY, draft_in_use=True, alias=ALIAS)
+    errors = [p for p in problems if p.severity is Severity.ERROR]
+    assert [p.field for p in errors] == ["speculative.type"]  # it cannot be told to use ngram-mod
+    assert "--spec-type" in errors[0].message
 
 
 # --- an older binary ---------------------------------------------------------------------------------------
@@ -260,6 +378,50 @@ def _get(url: str) -> int:
         return exc.code
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return 0
+
+
+@pytest.mark.engine
+def test_ngram_mod_without_a_draft_drafts_for_real(example: Callable[..., Path], tmp_path: Path) -> None:
+    """The launcher's checks of an n-gram-only spec rest on these: /slots says speculative, drafts are counted."""
+    replace = {
+        'type = "draft-simple"': 'type = "ngram-mod"',
+        "[network]": "[speculative.ngram_mod]\nn_match = 8\nn_min = 2\nn_max = 16\n\n[network]",
+    }
+    spec = example("demo.toml", replace)
+    spec.write_text(_without_draft(spec.read_text()))
+    argv = list(validate(spec).plan.argv)
+    assert "--spec-draft-model" not in argv
+    port = _free_port()
+    argv[argv.index("--port") + 1] = str(port)
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "llama-server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while _get(f"{base}/health") != 200:
+            assert server.poll() is None, f"llama-server exited {server.returncode}:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no /health 200 within 60 s:\n{log.read_text()[-3000:]}"
+            time.sleep(0.25)
+        with urllib.request.urlopen(f"{base}/slots", timeout=10) as response:
+            slots = json.load(response)
+        assert slots and all(slot["speculative"] for slot in slots), slots
+        # Text that repeats: what n-gram speculation drafts from (a tiny greedy model keeps repeating it).
+        lines = "".join(f"def add_{i}(a: int, b: int) -> int:\n    return a + b\n\n" for i in range(12))
+        body = json.dumps({"prompt": lines, "n_predict": 96, "temperature": 0}).encode()
+        request = urllib.request.Request(
+            f"{base}/completion", data=body, headers={"Content-Type": "application/json"}, method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            timings = json.load(response)["timings"]
+        assert timings.get("draft_n", 0) > 0, f"ngram-mod never drafted: {timings}\n{log.read_text()[-3000:]}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=10)
 
 
 @pytest.mark.engine

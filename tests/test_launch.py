@@ -116,9 +116,11 @@ def pid_alive(pid: int) -> bool:
 def launch(tmp_path: Path, example: Callable[[str], Path]) -> Iterator[Callable[..., Running]]:
     started: list[Running] = []
 
-    def start(edit: Callable[[list[str]], list[str]] = lambda argv: argv, stop_timeout: float = 10.0) -> Running:
+    def start(
+        edit: Callable[[list[str]], list[str]] = lambda argv: argv, stop_timeout: float = 10.0, spec: Path | None = None
+    ) -> Running:
         port = free_port()
-        appliance = resolved(example("demo-draft.toml"))
+        appliance = resolved(spec or example("demo-draft.toml"))
         argv = [
             str(port) if previous == "--port" else arg
             for previous, arg in zip(["", *appliance.argv], appliance.argv, strict=False)
@@ -195,6 +197,52 @@ def test_missing_spec_type_is_reported_as_not_engaged(launch: Callable[..., Runn
     status = running.notify.wait_for("SPECULATION NOT ENGAGED", timeout=20)
     assert status.startswith("STATUS=")
     assert "SPECULATION NOT ENGAGED" in running.text()
+
+
+@pytest.fixture
+def ngram_only(example: Callable[..., Path]) -> Path:
+    """The demo speculating with ngram-mod alone: no draft model."""
+    spec = example(
+        "demo.toml",
+        {
+            'type = "draft-simple"': 'type = "ngram-mod"',
+            "[network]": "[speculative.ngram_mod]\nn_match = 8\nn_min = 2\nn_max = 16\n\n[network]",
+        },
+    )
+    text = spec.read_text()
+    spec.write_text(text[: text.index("[models.draft]")] + text[text.index("[speculative]") :])
+    return spec
+
+
+def strip_spec_type(argv: list[str]) -> list[str]:
+    index = argv.index("--spec-type")
+    return argv[:index] + argv[index + 2 :]
+
+
+def test_ngram_speculation_without_a_draft_is_checked_and_engages(
+    launch: Callable[..., Running], ngram_only: Path
+) -> None:
+    running = launch(spec=ngram_only)
+    ready = running.notify.wait_for("READY=1")
+    assert "(speculation without a draft model)" in ready
+    # Text that repeats, which n-gram speculation drafts from.
+    prompt = "".join(f"def add_{i}(a: int, b: int) -> int:\n    return a + b\n\n" for i in range(12))
+    answer = running.api.completion(prompt, n_predict=96, temperature=0)
+    assert answer["timings"]["draft_n"] > 0
+    running.notify.wait_for("speculation engaged", timeout=20)
+    assert "speculation engaged: " in running.text()
+    assert "NOT ENGAGED" not in running.text()
+
+
+def test_ngram_speculation_refused_is_not_engaged_and_says_no_draft(
+    launch: Callable[..., Running], ngram_only: Path
+) -> None:
+    running = launch(strip_spec_type, spec=ngram_only)
+    status = running.notify.wait_for("SPECULATION NOT ENGAGED", timeout=LOAD_SECONDS)
+    assert status.startswith("STATUS=")
+    text = running.text()
+    assert "SPECULATION NOT ENGAGED: speculative.type is configured but llama-server did not initialise" in text
+    assert "draft model is configured" not in text
 
 
 def test_sigterm_during_a_long_generation_stops_the_child_within_the_bound(launch: Callable[..., Running]) -> None:
