@@ -622,21 +622,6 @@ BAD = [
         'cache_type_v = "q8_0"',
         errors=2,  # the draft's V cache too
     ),
-    Case(
-        "draft-with-ngram",
-        {'type = "draft-simple"': 'type = "ngram-simple"'},
-        "speculative.type",
-        "a draft model is configured but type is 'ngram-simple'",
-        "remove [models.draft]",
-        'type = "ngram-simple"',
-    ),
-    Case(
-        "draft-with-type-none",
-        {'type = "draft-simple"': 'type = "none"'},
-        "speculative.type",
-        "type is 'none', which never uses it",
-        at='type = "none"',
-    ),
     # --- model files ---
     Case(
         "relative-path",
@@ -969,6 +954,21 @@ BAD = [
 ]
 
 WARNINGS = [
+    Case(
+        "draft-with-ngram",
+        {'type = "draft-simple"': 'type = "ngram-simple"'},
+        "speculative.type",
+        "a draft model is configured but type is 'ngram-simple'",
+        "remove [models.draft]",
+        'type = "ngram-simple"',
+    ),
+    Case(
+        "draft-with-type-none",
+        {'type = "draft-simple"': 'type = "none"'},
+        "speculative.type",
+        "type is 'none', which never uses it",
+        at='type = "none"',
+    ),
     Case(
         "n-max-20",
         {"n_max = 6 ": "n_max = 20 "},

@@ -178,7 +178,7 @@ def test_explain_shows_the_speculation_types_and_their_parameters(cli: Run, exam
         'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]',
         "[network]": "[speculative.ngram_mod]\nn_match = 16\n\n[network]",
     }
-    spec = example("demo.toml", replace)
+    spec = example("demo-draft.toml", replace)
     code, out, err = cli("explain", spec)
     assert code == EXIT_OK, err
     assert "\nspeculation: draft-simple, ngram-mod (llama-server speculates)\n" in out

@@ -106,8 +106,8 @@ def test_every_selector_carries_the_specs_labels(
 ) -> None:
     for name, board in example_boards.items():
         value = {
+            "demo.toml": "demo",
             "demo-draft.toml": "demo",
-            "demo-draft.toml": "demo-draft",
             "appliance.toml": "workstation",
             "dual-gpu.toml": "dual-gpu",
         }[name]
@@ -163,7 +163,7 @@ def test_no_speculation_panels_without_a_draft(example: Callable[..., Path]) -> 
 
 
 def test_speculation_panels_for_ngram_speculation_without_a_draft(example: Callable[..., Path]) -> None:
-    spec = example("demo.toml", {'type = "draft-simple"': 'type = "ngram-mod"'})
+    spec = example("demo-draft.toml", {'type = "draft-simple"': 'type = "ngram-mod"'})
     spec.write_text(re.sub(r"\[models\.draft\]\n(.+\n)+\n", "", spec.read_text()))
     board = dashboard_of(render(resolve(validate(spec).plan, spec)))
     titles = {p["title"] for p in panels(board)}

@@ -137,20 +137,20 @@ NGRAM_MOD = "[speculative.ngram_mod]\nn_match = 16\nn_min = 8\nn_max = 32\n"
 
 def test_a_list_of_types_is_one_spec_type_value(example: Callable[..., Path]) -> None:
     result = validate(
-        example("demo.toml", {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]'}), facts=gpu_facts()
+        example("demo-draft.toml", {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]'}), facts=gpu_facts()
     )
     assert result.plan.spec.speculative.types == ("draft-simple", "ngram-mod")
     argv = list(result.plan.argv)
     assert _value(argv, "--spec-type") == "draft-simple,ngram-mod"
     assert _value(argv, "--spec-draft-n-max") == "8"  # the draft's own, still
     assert (result.plan.draft_in_use, result.plan.speculation) == (True, True)
-    written = example("demo.toml", {'type = "draft-simple"': 'type = "draft-simple,ngram-mod"'})
+    written = example("demo-draft.toml", {'type = "draft-simple"': 'type = "draft-simple,ngram-mod"'})
     assert load_spec(written).spec.speculative == result.plan.spec.speculative
 
 
 def test_ngram_mod_parameters_are_rendered(example: Callable[..., Path]) -> None:
     replace = {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]', "[network]": f"{NGRAM_MOD}\n[network]"}
-    argv = list(validate(example("demo.toml", replace), facts=gpu_facts()).plan.argv)
+    argv = list(validate(example("demo-draft.toml", replace), facts=gpu_facts()).plan.argv)
     assert _value(argv, "--spec-ngram-mod-n-match") == "16"
     assert _value(argv, "--spec-ngram-mod-n-min") == "8"
     assert _value(argv, "--spec-ngram-mod-n-max") == "32"
@@ -162,7 +162,7 @@ def test_unset_ngram_parameters_are_the_engines(example: Callable[..., Path]) ->
         'type = "draft-simple"': 'type = ["draft-simple", "ngram-map-k"]',
         "[network]": "[speculative.ngram_map_k]\nmin_hits = 2\n\n[network]",
     }
-    argv = list(validate(example("demo.toml", replace), facts=gpu_facts()).plan.argv)
+    argv = list(validate(example("demo-draft.toml", replace), facts=gpu_facts()).plan.argv)
     assert _value(argv, "--spec-ngram-map-k-min-hits") == "2"
     assert "--spec-ngram-map-k-size-n" not in argv and "--spec-ngram-map-k-size-m" not in argv
 
@@ -173,7 +173,9 @@ def _without_draft(text: str) -> str:
 
 
 def test_ngram_types_need_no_draft_model(example: Callable[..., Path]) -> None:
-    spec = example("demo.toml", {'type = "draft-simple"': 'type = "ngram-mod"', "[network]": f"{NGRAM_MOD}\n[network]"})
+    spec = example(
+        "demo-draft.toml", {'type = "draft-simple"': 'type = "ngram-mod"', "[network]": f"{NGRAM_MOD}\n[network]"}
+    )
     spec.write_text(_without_draft(spec.read_text()))
     result = validate(spec, facts=gpu_facts())
     assert result.warnings == []
@@ -185,7 +187,7 @@ def test_ngram_types_need_no_draft_model(example: Callable[..., Path]) -> None:
 
 
 def test_a_draft_type_without_its_draft_model_is_left_out(example: Callable[..., Path]) -> None:
-    spec = example("demo.toml", {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]'})
+    spec = example("demo-draft.toml", {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]'})
     spec.write_text(_without_draft(spec.read_text()))
     result = validate(spec, facts=gpu_facts())
     assert [p.field for p in result.warnings] == ["models.draft"]  # only ngram-mod speculates
@@ -193,7 +195,7 @@ def test_a_draft_type_without_its_draft_model_is_left_out(example: Callable[...,
 
 
 def test_no_type_no_speculation(example: Callable[..., Path]) -> None:
-    spec = example("demo.toml", {'type = "draft-simple"': 'type = "none"'})
+    spec = example("demo-draft.toml", {'type = "draft-simple"': 'type = "none"'})
     spec.write_text(_without_draft(spec.read_text()))
     result = validate(spec, facts=gpu_facts())
     assert "--spec-type" not in result.plan.argv
@@ -204,7 +206,7 @@ def test_older_dialect_lists_no_types_and_takes_a_draft_alone(
     example: Callable[..., Path], older_dialect: Dialect
 ) -> None:
     assert older_dialect.spec_types == ()
-    spec = load_spec(example("demo.toml", {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]'})).spec
+    spec = load_spec(example("demo-draft.toml", {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]'})).spec
     _, problems = build_argv(spec, older_dialect, BINARY, draft_in_use=True, alias=ALIAS)
     errors = [p for p in problems if p.severity is Severity.ERROR]
     assert [p.field for p in errors] == ["speculative.type"]  # it cannot be told to use ngram-mod
@@ -387,7 +389,7 @@ def test_ngram_mod_without_a_draft_drafts_for_real(example: Callable[..., Path],
         'type = "draft-simple"': 'type = "ngram-mod"',
         "[network]": "[speculative.ngram_mod]\nn_match = 8\nn_min = 2\nn_max = 16\n\n[network]",
     }
-    spec = example("demo.toml", replace)
+    spec = example("demo-draft.toml", replace)
     spec.write_text(_without_draft(spec.read_text()))
     argv = list(validate(spec).plan.argv)
     assert "--spec-draft-model" not in argv

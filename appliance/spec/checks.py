@@ -27,9 +27,10 @@ def _draft_type_problems(spec: Spec) -> list[Problem]:
     # A name of neither family is the binary's to judge (plan/argv.py), not a type that never drafts.
     if spec.models.draft is not None and not drafting and all(n.startswith("ngram-") for n in speculative.types):
         return [
-            error(
+            # A warning: the server starts without it, and tune may measure that the draft does not pay.
+            warning(
                 "speculative.type",
-                f"a draft model is configured but type is {kind!r}, which never uses it",
+                f"a draft model is configured but type is {kind!r}, which never uses it: it is not loaded",
                 'set type = "draft-simple" (with n-gram types: ["draft-simple", ...]), or remove [models.draft]',
             )
         ]
