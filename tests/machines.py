@@ -77,9 +77,10 @@ class Machine:
             check=False,
         )
 
-    def chat(self, content: str, max_tokens: int) -> dict[str, Any]:
+    def chat(self, content: str | list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
         """A chat completion from the appliance's default port, by the host's curl in the container's network."""
-        body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens})
+        messages = [{"role": "user", "content": content}] if isinstance(content, str) else content
+        body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0})
         url = "http://127.0.0.1:8080/v1/chat/completions"
         answer = self.on_network(
             ["curl", "-sf", "--max-time", "120", url, "-H", "Content-Type: application/json", "-d", body]
@@ -328,3 +329,11 @@ def host_ccache_dir() -> Path:
         if found.returncode == 0 and found.stdout.strip():
             return Path(found.stdout.strip())
     return TEST_CACHE / "ccache"
+
+
+def edit_messages() -> list[dict[str, str]]:
+    """The suite's edit request (a file in the request, returned rewritten): what n-gram speculation drafts on."""
+    from appliance.measure.suite import load_suite
+
+    edit = next(w for w in load_suite().workloads if w.name == "edit")
+    return [{"role": role, "content": content} for role, content in edit.messages]

@@ -201,17 +201,11 @@ def test_missing_spec_type_is_reported_as_not_engaged(launch: Callable[..., Runn
 
 @pytest.fixture
 def ngram_only(example: Callable[..., Path]) -> Path:
-    """The demo speculating with ngram-mod alone: no draft model."""
-    spec = example(
+    """The demo (ngram-mod alone, no draft model), with short n-grams so a short answer drafts."""
+    return example(
         "demo.toml",
-        {
-            'type = "draft-simple"': 'type = "ngram-mod"',
-            "[network]": "[speculative.ngram_mod]\nn_match = 8\nn_min = 2\nn_max = 16\n\n[network]",
-        },
+        {"[network]": "[speculative.ngram_mod]\nn_match = 8\nn_min = 2\nn_max = 16\n\n[network]"},
     )
-    text = spec.read_text()
-    spec.write_text(text[: text.index("[models.draft]")] + text[text.index("[speculative]") :])
-    return spec
 
 
 def strip_spec_type(argv: list[str]) -> list[str]:
