@@ -245,6 +245,13 @@ def test_bench_standalone_measures_every_workload_with_and_without_the_draft(
     assert written is not None
     assert set(written.decode_tps) == {f"workload:{n}" for n in rows} | {CANARY_BUCKET}
     assert written.decode_tps["workload:chat"] == pytest.approx(rows["chat"]["draft"]["decode_tps"]["median"], rel=1e-3)
+    # The no-draft side, per workload and per context bucket (what live traffic is judged by).
+    assert written.no_speculation_tps["workload:chat"] == pytest.approx(
+        rows["chat"]["no_draft"]["decode_tps"]["median"], rel=1e-3
+    )
+    assert {b for b in written.no_speculation_tps if b.startswith("ctx<=")} and CANARY_BUCKET not in (
+        written.no_speculation_tps
+    )
     assert set(written.versions) == {"driver", "cuda", "llama_cpp"}
     from appliance.facts.gpu import Pynvml
 
@@ -376,3 +383,20 @@ def test_bench_says_so_when_no_appliance_runs(example: Callable[..., Path], caps
     spec = example("demo.toml", {"port = 8080": f"port = {free_port()}"})
     assert cli.main(["bench", str(spec), "--no-chart", "--no-baseline"]) == EXIT_APPLY
     assert "use --standalone" in capsys.readouterr().err
+
+
+def test_a_baseline_file_without_no_speculation_rates_still_reads(tmp_path: Path) -> None:
+    # Written before no_speculation_tps existed: the daemon still reads its decode baselines.
+    old = tmp_path / "old.json"
+    old.write_text(
+        json.dumps(
+            {"decode_tps": {"canary": 12.5}, "versions": {"driver": None}, "measured_at": "2026-01-01T00:00:00+00:00"}
+        )
+    )
+    read = versions.Baseline.read(old)
+    assert read is not None and read.decode_tps == {"canary": 12.5} and read.no_speculation_tps == {}
+    again = tmp_path / "again.json"
+    again.write_text(versions.Baseline({"canary": 12.5}, {}, "now", {"canary": 30.0, "ctx<=1K": 25.0}).to_json())
+    assert versions.Baseline.read(again) == versions.Baseline(
+        {"canary": 12.5}, {}, "now", {"canary": 30.0, "ctx<=1K": 25.0}
+    )

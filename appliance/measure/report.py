@@ -7,6 +7,7 @@ written through the appliance's one writer.
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -77,6 +78,25 @@ class BenchResult:
             from appliance.health.detectors import CANARY_BUCKET
 
             rates[CANARY_BUCKET] = self.canary.decode.median
+        return rates
+
+    def no_speculation_rates(self) -> dict[str, float]:
+        """The no-speculation side's decode rates as the health daemon's buckets: workload:<name>, each workload's
+        context bucket (the median of the workloads in it: live traffic is judged by context, not by workload),
+        and the canary's when the result carries one (`canary_no_speculation`)."""
+        from appliance.health.detectors import CANARY_BUCKET, context_bucket
+
+        rates: dict[str, float] = {}
+        by_context: dict[str, list[float]] = {}
+        for name, r in self.baseline.results.items():
+            if not r.decode:
+                continue
+            rates[f"workload:{name}"] = r.decode.median
+            by_context.setdefault(context_bucket((r.prompt_tokens or 0) + r.max_tokens), []).append(r.decode.median)
+        rates.update({bucket: statistics.median(values) for bucket, values in by_context.items()})
+        canary: WorkloadResult | None = getattr(self, "canary_no_speculation", None)
+        if canary is not None and canary.decode:
+            rates[CANARY_BUCKET] = canary.decode.median
         return rates
 
     def to_json(self) -> dict[str, Any]:
@@ -194,13 +214,24 @@ def chart_rows(result: BenchResult) -> list[tuple[str, float | None, float | Non
     return rows
 
 
-def write_baseline(path: Path, rates: Mapping[str, float], details: Mapping[str, Any]) -> dict[str, Any]:
-    """The health daemon's baseline file: decode tok/s per bucket and the versions they were measured under."""
+def write_baseline(
+    path: Path,
+    rates: Mapping[str, float],
+    details: Mapping[str, Any],
+    no_speculation: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """The health daemon's baseline file: decode tok/s per bucket, the same buckets without speculation, and
+    the versions they were measured under."""
     from appliance.facts.gpu import Pynvml
     from appliance.health.versions import Baseline, detect
 
     found = detect(Pynvml(), paths.ENGINE_DIR)
-    baseline = Baseline({k: round(v, 3) for k, v in rates.items()}, found.comparable(), now())
+    baseline = Baseline(
+        {k: round(v, 3) for k, v in rates.items()},
+        found.comparable(),
+        now(),
+        {k: round(v, 3) for k, v in (no_speculation or {}).items()},
+    )
     document = {**json.loads(baseline.to_json()), **details}
     write_atomically(path, json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
     return document

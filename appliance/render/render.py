@@ -72,6 +72,7 @@ class View:
     min_free_bytes: int
     min_free_mib: int
     acceptance_min: float
+    speculation_min_speedup: float
     draft_configured: bool
     max_per_hour: int
     alert_for: dict[str, str]  # alert (AlertForSeconds field) -> its `for:` as a Prometheus duration
@@ -144,6 +145,7 @@ def view(appliance: Appliance) -> View:
         min_free_bytes=appliance.min_free_bytes,
         min_free_mib=spec.health.min_free_mib,
         acceptance_min=spec.health.acceptance_min,
+        speculation_min_speedup=spec.health.speculation_min_speedup,
         draft_configured=appliance.draft_in_use,
         max_per_hour=spec.restart.max_per_hour,
         alert_for={name: duration(s) for name, s in spec.prometheus.alert_for_seconds.model_dump().items()},
@@ -169,6 +171,7 @@ def selectors(appliance: Appliance, labels: tuple[str, ...]) -> dict[str, str]:
         "draft_configured": of("llm_appliance_draft_configured"),
         "acceptance": of("llm_appliance_speculation_acceptance_ratio"),
         "drafted": of("llm_appliance_speculation_drafted_tokens_total"),
+        "speculation_speedup": of("llm_appliance_speculation_speedup"),
         "version_mismatch": of("llm_appliance_version_mismatch"),
         "version_drift": of("llm_appliance_version_drift"),
         "restart_budget_exhausted": of("llm_appliance_restart_budget_exhausted"),
