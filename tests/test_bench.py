@@ -400,3 +400,38 @@ def test_a_baseline_file_without_no_speculation_rates_still_reads(tmp_path: Path
     assert versions.Baseline.read(again) == versions.Baseline(
         {"canary": 12.5}, {}, "now", {"canary": 30.0, "ctx<=1K": 25.0}
     )
+
+
+def test_no_speculation_rates_are_the_daemons_buckets() -> None:
+    from appliance.measure.report import BenchResult, Side
+
+    def result(name: str, prompt: int | None, tokens: int, *rates: float) -> WorkloadResult:
+        samples = [Sample(r, 100.0, None, prompt or 0, tokens, 0, 0, None) for r in rates]
+        return WorkloadResult(name, name, tokens, prompt, samples=samples)
+
+    plain = {
+        "chat": result("chat", 40, 64, 100.0, 110.0, 90.0),  # ctx<=1K
+        "code": result("code", 100, 128, 80.0),  # ctx<=1K too: the median of the two
+        "long-qa": result("long-qa", 1500, 64, 50.0),  # ctx<=2K
+        "silent": result("silent", 10, 8),  # nothing measured: no bucket
+    }
+    bench = BenchResult(
+        Path("demo.toml"),
+        "v1",
+        "standalone",
+        1,
+        None,
+        Side("draft", NO_DRAFT, None, {}),
+        Side("none", NO_DRAFT, None, plain),
+        None,
+        "now",
+    )
+    assert bench.no_speculation_rates() == {
+        "workload:chat": 100.0,
+        "workload:code": 80.0,
+        "workload:long-qa": 50.0,
+        "ctx<=1K": 90.0,
+        "ctx<=2K": 50.0,
+    }
+    bench.canary_no_speculation = result("canary", None, 32, 70.0)  # type: ignore[attr-defined]
+    assert bench.no_speculation_rates()["canary"] == 70.0
