@@ -30,7 +30,7 @@ from appliance.runtime.server_api import ServerApi
 
 pytestmark = pytest.mark.engine
 
-SELF_DRAFT = Path(__file__).parent / "data" / "demo-self-draft.toml"
+SELF_DRAFT = Path(__file__).parents[1] / "etc" / "llm-appliance" / "demo-draft.toml"  # SmolLM2 drafting for itself
 BUCKET = "ctx<=1K"  # Traffic's short prompt and 16 tokens
 PROMPT, TOKENS = "def add(a, b):", 16  # what Traffic sends
 RULES = "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml"
@@ -47,7 +47,7 @@ def self_draft_spec(directory: Path, models: Path, server_port: int, exporter_po
     }.items():
         assert old in text, old
         text = text.replace(old, new)
-    spec = directory / "demo-self-draft.toml"
+    spec = directory / "demo-draft.toml"
     spec.write_text(text)
     return spec
 
@@ -123,7 +123,7 @@ def test_speculation_slower_than_without_is_exported_and_alerts(
                 "interval": "10s",
                 "input_series": [
                     {
-                        "series": f'llm_appliance_speculation_speedup{{appliance="demo", bucket="{BUCKET}"}}',
+                        "series": f'llm_appliance_speculation_speedup{{appliance="demo-draft", bucket="{BUCKET}"}}',
                         "values": values,
                     }
                 ],

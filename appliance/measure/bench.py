@@ -178,7 +178,7 @@ def main_bench(
 
 
 def _write_baseline(path: Path, result: BenchResult, tokens: int | None, reps: int) -> Path | None:
-    """The with-draft and no-draft rates as the health daemon's baseline; None (and why, on stderr) when it cannot be written."""
+    """The with-draft rates as the health daemon's baseline; None (and why, on stderr) when it cannot be written."""
     details: dict[str, Any] = {
         "measured_by": "llm-appliance bench",
         "suite": result.suite,
@@ -187,7 +187,7 @@ def _write_baseline(path: Path, result: BenchResult, tokens: int | None, reps: i
         "reps": reps,
     }
     try:
-        write_baseline(path, result.decode_rates(), details, result.no_speculation_rates())
+        write_baseline(path, result.decode_rates(), details)
     except OSError as exc:
         print(f"bench: cannot write the baseline {path}: {exc}; run as root, or pass --baseline PATH", file=sys.stderr)
         return None

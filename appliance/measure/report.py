@@ -80,10 +80,11 @@ class BenchResult:
             rates[CANARY_BUCKET] = self.canary.decode.median
         return rates
 
-    def no_speculation_rates(self) -> dict[str, float]:
-        """The no-speculation side's decode rates as the health daemon's buckets: workload:<name>, each workload's
-        context bucket (the median of the workloads in it: live traffic is judged by context, not by workload),
-        and the canary's when the result carries one (`canary_no_speculation`)."""
+    def no_speculation_rates(self, canary: WorkloadResult | None = None) -> dict[str, float]:
+        """The no-speculation side's decode rates as the health daemon's buckets (write_baseline's
+        `no_speculation`): workload:<name>, each workload's context bucket (the median of the workloads in it:
+        live traffic is judged by context, not by workload), and the canary's when one was measured without
+        the draft."""
         from appliance.health.detectors import CANARY_BUCKET, context_bucket
 
         rates: dict[str, float] = {}
@@ -94,7 +95,6 @@ class BenchResult:
             rates[f"workload:{name}"] = r.decode.median
             by_context.setdefault(context_bucket((r.prompt_tokens or 0) + r.max_tokens), []).append(r.decode.median)
         rates.update({bucket: statistics.median(values) for bucket, values in by_context.items()})
-        canary: WorkloadResult | None = getattr(self, "canary_no_speculation", None)
         if canary is not None and canary.decode:
             rates[CANARY_BUCKET] = canary.decode.median
         return rates

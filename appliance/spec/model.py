@@ -261,7 +261,7 @@ class Health(Strict):
     acceptance_min: Annotated[float, Field(ge=0.0, le=1.0)] = 0.4
     # Decode with speculation over decode without it (the baseline file's no_speculation_tps), per bucket;
     # below this, speculation costs more than it saves (LlmApplianceSpeculationNotPaying).
-    speculation_min_speedup: Annotated[float, Field(gt=0.0, le=100.0)] = 1.0
+    speculation_min_speedup: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
     canary_after_idle_seconds: Annotated[int, Field(ge=0)] = 900
     baseline_file: FilePath = paths.BASELINE
 
