@@ -239,6 +239,28 @@ def cases() -> list[Case]:
         Case(alert, "at-the-minimum", {ratio: run((h.acceptance_min, n + 10)), drafted: drafting}, n + 5),
     ]
 
+    # -- speculation slower than no speculation, per bucket (the speedup gauge is already a median) --
+    alert, n = "LlmApplianceSpeculationNotPaying", steps("LlmApplianceSpeculationNotPaying")
+    gain, low = series("llm_appliance_speculation_speedup", HEALTH, bucket="ctx<=1K"), h.speculation_min_speedup / 2
+    found += [
+        Case(
+            alert,
+            "slower-than-without",
+            {gain: run((1.5, 4), (low, n + 10))},
+            4 + n,
+            {**HEALTH, "bucket": "ctx<=1K"},
+            {"{{ $value | humanizePercentage }}": f"{100 * low:g}%", "{{ $labels.bucket }}": "ctx<=1K"},
+        ),
+        Case(alert, "near-miss-at-the-minimum", {gain: run((h.speculation_min_speedup, n + 10))}, n + 5),
+        Case(alert, "dip-shorter-than-for", {gain: run((1.5, 4), (low, n - 1), (1.5, 10))}, 4 + n),
+        Case(
+            alert,
+            "another-appliance",
+            {series("llm_appliance_speculation_speedup", OTHER, bucket="ctx<=1K"): run((low, n + 10))},
+            n + 5,
+        ),
+    ]
+
     # -- versions --
     found += _flag("LlmApplianceVersionMismatch", "llm_appliance_version_mismatch")
     found += _flag("LlmApplianceVersionDrift", "llm_appliance_version_drift")

@@ -406,3 +406,68 @@ def test_bench_says_so_when_no_appliance_runs(example: Callable[..., Path], caps
     spec = example("demo.toml", {"port = 8080": f"port = {free_port()}"})
     assert cli.main(["bench", str(spec), "--no-chart", "--no-baseline"]) == EXIT_APPLY
     assert "use --standalone" in capsys.readouterr().err
+
+
+def test_a_baseline_file_without_no_speculation_rates_still_reads(tmp_path: Path) -> None:
+    # Written before no_speculation_tps existed: the daemon still reads its decode baselines.
+    old = tmp_path / "old.json"
+    old.write_text(
+        json.dumps(
+            {"decode_tps": {"canary": 12.5}, "versions": {"driver": None}, "measured_at": "2026-01-01T00:00:00+00:00"}
+        )
+    )
+    read = versions.Baseline.read(old)
+    assert read is not None and read.decode_tps == {"canary": 12.5} and read.no_speculation_tps == {}
+    again = tmp_path / "again.json"
+    again.write_text(versions.Baseline({"canary": 12.5}, {}, "now", {"canary": 30.0, "ctx<=1K": 25.0}).to_json())
+    assert versions.Baseline.read(again) == versions.Baseline(
+        {"canary": 12.5}, {}, "now", {"canary": 30.0, "ctx<=1K": 25.0}
+    )
+
+
+def test_no_speculation_rates_are_the_daemons_buckets() -> None:
+    from appliance.measure.report import BenchResult, Side
+
+    def result(name: str, prompt: int | None, tokens: int, *rates: float) -> WorkloadResult:
+        samples = [Sample(r, 100.0, None, prompt or 0, tokens, 0, 0, None) for r in rates]
+        return WorkloadResult(name, name, tokens, prompt, samples=samples)
+
+    plain = {
+        "chat": result("chat", 40, 64, 100.0, 110.0, 90.0),  # ctx<=1K
+        "code": result("code", 100, 128, 80.0),  # ctx<=1K too: the median of the two
+        "long-qa": result("long-qa", 1500, 64, 50.0),  # ctx<=2K
+        "silent": result("silent", 10, 8),  # nothing measured: no bucket
+    }
+    bench = BenchResult(
+        Path("demo.toml"),
+        "v1",
+        "standalone",
+        1,
+        None,
+        Side("draft", NO_SPECULATION, None, {}),
+        Side("none", NO_SPECULATION, None, plain),
+        None,
+        "now",
+    )
+    assert bench.no_speculation_rates() == {
+        "workload:chat": 100.0,
+        "workload:code": 80.0,
+        "workload:long-qa": 50.0,
+        "ctx<=1K": 90.0,
+        "ctx<=2K": 50.0,
+    }
+    bench.canary_no_speculation = result("canary", None, 32, 70.0)
+    assert bench.no_speculation_rates()["canary"] == 70.0
+
+
+def test_write_baseline_writes_the_no_speculation_rates_the_daemon_reads(tmp_path: Path) -> None:
+    from appliance.measure.report import write_baseline
+
+    path = tmp_path / "baseline.json"
+    write_baseline(path, {"ctx<=1K": 20.0}, {"measured_by": "test"}, {"ctx<=1K": 48.1234, "canary": 50.0})
+    read = versions.Baseline.read(path)
+    assert read is not None and read.decode_tps == {"ctx<=1K": 20.0}
+    assert read.no_speculation_tps == {"ctx<=1K": 48.123, "canary": 50.0}
+    write_baseline(path, {"ctx<=1K": 20.0}, {"measured_by": "test"})  # bench before it measured both sides
+    again = versions.Baseline.read(path)
+    assert again is not None and again.no_speculation_tps == {}

@@ -821,3 +821,54 @@ def test_a_window_of_a_few_tokens_sets_no_rate(rig: Rig) -> None:
     assert seen.decode_tps is None
     assert rig.value("llm_appliance_decode_tokens_per_second", bucket="ctx<=1K") is None
     assert rig.check(RATE).decode_tps == RATE
+
+
+# -- speculation that stops paying: the measured gain against the baseline's no-speculation rate --
+
+
+def _no_speculation_baseline(tmp_path: Path, rate: float, draft: bool = True) -> Spec:
+    spec = make_spec(tmp_path, draft=draft)
+    baseline = Baseline(
+        {BUCKET: RATE},
+        {"driver": "550.54.14", "cuda": "12.4", "llama_cpp": None},
+        "2024-05-01T12:00:00Z",
+        {BUCKET: rate},
+    )
+    spec.health.baseline_file.write_text(baseline.to_json())
+    return spec
+
+
+def test_speculation_slower_than_without_is_exported_and_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = Rig(tmp_path, _no_speculation_baseline(tmp_path, 2 * RATE))
+    assert rig.value("llm_appliance_decode_no_speculation_tokens_per_second", bucket=BUCKET) == 2 * RATE
+    caplog.set_level("INFO", logger="llm-appliance.health")
+    rig.check()
+    for _ in range(6):
+        rig.check(RATE, drafted=800, accepted=700)
+    assert rig.value("llm_appliance_speculation_speedup", bucket=BUCKET) == pytest.approx(0.5)
+    said = [r.getMessage() for r in caplog.records if "does not pay" in r.getMessage()]
+    assert said == [
+        f"speculation does not pay in {BUCKET}: 0.50x the rate without it (300.0 tok/s); run `llm-appliance tune`"
+    ]
+    for _ in range(6):
+        rig.check(3 * RATE, drafted=800, accepted=700)
+    assert rig.value("llm_appliance_speculation_speedup", bucket=BUCKET) == pytest.approx(1.5)
+    assert [r.getMessage() for r in caplog.records if "pays again" in r.getMessage()] == [
+        f"speculation pays again in {BUCKET}: 1.50x the rate without it"
+    ]
+    assert rig.control.restarts == []  # the config and the server are the admin's: nothing changed by itself
+
+
+def test_no_speedup_without_a_no_speculation_baseline_or_without_a_draft(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, make_spec(tmp_path, draft=True))
+    for _ in range(7):
+        rig.check(RATE, drafted=800, accepted=700)
+    assert rig.value("llm_appliance_speculation_speedup", bucket=BUCKET) is None
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    rig = Rig(plain, _no_speculation_baseline(plain, 2 * RATE, draft=False))
+    for _ in range(7):
+        rig.check(RATE)
+    assert rig.value("llm_appliance_speculation_speedup", bucket=BUCKET) is None

@@ -473,3 +473,31 @@ def test_a_baseline_learned_on_a_busy_box_rises_to_the_sustained_rate_and_then_s
     assert 140.0 < detector.baselines["ctx<=1K"] < 160.0
     verdicts = [detector.add("ctx<=1K", 75.0) for _ in range(8)]
     assert any(verdicts), "a drop to half the sustained rate must breach"
+
+
+# -- speculation's measured gain --
+
+
+def test_speedup_is_the_current_rate_over_the_rate_without_speculation() -> None:
+    from appliance.health.detectors import speedup
+
+    assert speedup(40.0, 100.0) == pytest.approx(0.4)
+    assert speedup(None, 100.0) is None  # nothing decoded in the bucket yet
+    assert speedup(40.0, None) is None  # the baseline never measured the bucket without speculation
+    assert speedup(40.0, 0.0) is None
+
+
+def test_paying_tracker_says_each_turn_once() -> None:
+    from appliance.health.detectors import PayingTracker
+
+    tracker = PayingTracker(min_speedup=1.0)
+    assert [tracker.update("ctx<=1K", g) for g in (1.3, 0.9, 0.8, 0.99, 1.0, 1.2, 0.5)] == [
+        None,
+        "slower",
+        None,
+        None,
+        "recovered",
+        None,
+        "slower",
+    ]
+    assert tracker.update("canary", 0.5) == "slower"  # buckets are judged apart

@@ -118,6 +118,8 @@ def test_only_labelled_series_without_children_are_empty() -> None:
         f"{PREFIX}_decode_tokens_per_second",
         f"{PREFIX}_decode_baseline_tokens_per_second",
         f"{PREFIX}_decode_decay_breaches",
+        f"{PREFIX}_decode_no_speculation_tokens_per_second",  # a bucket at a time, from the baseline file
+        f"{PREFIX}_speculation_speedup",
         f"{PREFIX}_gpu_memory_total_bytes",
         f"{PREFIX}_gpu_memory_used_bytes",
         f"{PREFIX}_gpu_memory_free_bytes",

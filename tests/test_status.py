@@ -95,6 +95,18 @@ def test_energy_per_token_is_shown_where_a_meter_was_read() -> None:
     assert not any(line.startswith("energy") for line in report(_seen()).splitlines())
 
 
+def test_speculations_gain_is_shown_beside_the_decode_rate() -> None:
+    metrics = {
+        "llm_appliance_decode_tokens_per_second": [({"bucket": "ctx<=1K"}, 60.0), ({"bucket": "canary"}, 70.0)],
+        "llm_appliance_speculation_speedup": [({"bucket": "ctx<=1K"}, 0.43)],
+    }
+    seen = _seen(metrics=metrics)
+    lines = report(seen).splitlines()
+    assert "decode   ctx<=1K: 60.0 tok/s (learning baseline), 0.43x the rate without speculation" in lines
+    assert "decode   canary: 70.0 tok/s (learning baseline)" in lines  # no no-speculation rate for it
+    assert seen.document()["speculation_speedup"] == {"ctx<=1K": 0.43}
+
+
 @pytest.mark.parametrize(
     ("overrides", "health", "words"),
     [

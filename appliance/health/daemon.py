@@ -22,9 +22,11 @@ from appliance.health.detectors import (
     CounterSample,
     CreepDetector,
     DecayDetector,
+    PayingTracker,
     RestartPolicy,
     context_bucket,
     speculation,
+    speedup,
     window,
 )
 from appliance.health.drain import Drain, restart_turn
@@ -145,6 +147,8 @@ class HealthDaemon:
         self.xids_seen: dict[int, int] = {}
         self.last_context: int | None = None
         self.baseline_versions: dict[str, str | None] | None = None
+        self.no_speculation: dict[str, float] = {}
+        self.paying = PayingTracker(health.speculation_min_speedup)
         self.metrics.draft_configured.set(1 if appliance.draft_in_use else 0)
         self.metrics.speculation_engaged.set(1)
         self.restart_log = RestartLog(appliance.state_file)
@@ -161,6 +165,9 @@ class HealthDaemon:
         if baseline is not None:
             self.decay.baselines.update(baseline.decode_tps)
             self.baseline_versions = baseline.versions
+            self.no_speculation = baseline.no_speculation_tps
+            for bucket, rate in self.no_speculation.items():
+                self.metrics.decode_no_speculation.labels(bucket).set(rate)
             log.info("decode baselines from %s: %s", self.config.appliance.baseline_file, baseline.decode_tps)
 
     def _load_state(self) -> None:
@@ -305,6 +312,26 @@ class HealthDaemon:
         if seen.baseline_tps:
             self.metrics.decode_baseline.labels(bucket).set(seen.baseline_tps)
         self.metrics.decay_breaches.labels(bucket).set(self.decay.breaches.get(bucket, 0))
+        if self.config.appliance.speculation:
+            self._judge_speedup(bucket)
+
+    def _judge_speedup(self, bucket: str) -> None:
+        """Export what speculation gains here; say once when it stops paying. The running config is the
+        admin's: the alert tells what to run, nothing here changes it."""
+        gain = speedup(self.decay.current(bucket), self.no_speculation.get(bucket))
+        if gain is None:
+            return
+        self.metrics.speculation_speedup.labels(bucket).set(gain)
+        change = self.paying.update(bucket, gain)
+        if change == "slower":
+            log.warning(
+                "speculation does not pay in %s: %.2fx the rate without it (%.1f tok/s); run `llm-appliance tune`",
+                bucket,
+                gain,
+                self.no_speculation[bucket],
+            )
+        elif change == "recovered":
+            log.info("speculation pays again in %s: %.2fx the rate without it", bucket, gain)
 
     def _canary(self, seen: Observation) -> None:
         """An idle box is still measured: a fixed prompt, greedy, a few tokens; its own bucket."""

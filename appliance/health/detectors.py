@@ -168,6 +168,32 @@ def speculation(draft_configured: bool, w: Window, acceptance_min: float) -> Spe
     return SpeculationVerdict(True, acceptance, acceptance is not None and acceptance < acceptance_min)
 
 
+def speedup(current_tps: float | None, no_speculation_tps: float | None) -> float | None:
+    """What speculation gains in a bucket: its recent decode rate over the same bucket's rate without it."""
+    if current_tps is None or not no_speculation_tps or no_speculation_tps <= 0:
+        return None
+    return current_tps / no_speculation_tps
+
+
+@dataclass
+class PayingTracker:
+    """Which buckets decode slower than without speculation; `update` says when a bucket turns or recovers,
+    so the daemon logs each change once and not every window."""
+
+    min_speedup: float
+    slower: set[str] = field(default_factory=set)
+
+    def update(self, bucket: str, gain: float) -> str | None:
+        """ "slower" when the bucket has just fallen below min_speedup, "recovered" when it just rose again."""
+        if gain < self.min_speedup and bucket not in self.slower:
+            self.slower.add(bucket)
+            return "slower"
+        if gain >= self.min_speedup and bucket in self.slower:
+            self.slower.discard(bucket)
+            return "recovered"
+        return None
+
+
 @dataclass(frozen=True)
 class RestartDecision:
     action: str  # "restart", "wait", "cooldown", "exhausted", "none"

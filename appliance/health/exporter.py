@@ -91,6 +91,16 @@ class Metrics:
         self.acceptance = gauge(
             "speculation_acceptance_ratio", "Accepted / drafted tokens in the last window with drafts (ratio)"
         )
+        self.decode_no_speculation = gauge(
+            "decode_no_speculation_tokens_per_second",
+            "Decode rate without speculation from the baseline file, by bucket (tokens per second)",
+            ("bucket",),
+        )
+        self.speculation_speedup = gauge(
+            "speculation_speedup",
+            "Median decode rate of recent windows over the same bucket's rate without speculation (ratio)",
+            ("bucket",),
+        )
         self.drafted = counter(
             "speculation_drafted_tokens", "Draft tokens proposed, as counted by llama-server (tokens)"
         )

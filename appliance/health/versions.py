@@ -7,7 +7,7 @@ known-good versions, and noticing when they change under a running box, is the o
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,9 @@ class Baseline:
     decode_tps: dict[str, float]
     versions: dict[str, str | None]
     measured_at: str
+    # The same buckets decoded without speculation: what the daemon's speedup is measured against. Files written
+    # before it existed have none, and still read.
+    no_speculation_tps: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def read(cls, path: Path) -> Baseline | None:
@@ -89,6 +92,7 @@ class Baseline:
                 {str(k): float(v) for k, v in data["decode_tps"].items()},
                 dict(data["versions"]),
                 str(data["measured_at"]),
+                {str(k): float(v) for k, v in data.get("no_speculation_tps", {}).items()},
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None

@@ -244,15 +244,18 @@ def write_baseline(
     details: Mapping[str, Any],
     no_speculation: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The health daemon's baseline file: decode tok/s per bucket and the versions they were measured under,
-    and the rates without speculation in the same buckets (what the daemon's speedup is measured against)."""
+    """The health daemon's baseline file: decode tok/s per bucket, the same buckets without speculation, and
+    the versions they were measured under."""
     from appliance.facts.gpu import Pynvml
     from appliance.health.versions import Baseline, detect
 
     found = detect(Pynvml(), paths.ENGINE_DIR)
-    baseline = Baseline({k: round(v, 3) for k, v in rates.items()}, found.comparable(), now())
+    baseline = Baseline(
+        {k: round(v, 3) for k, v in rates.items()},
+        found.comparable(),
+        now(),
+        {k: round(v, 3) for k, v in (no_speculation or {}).items()},
+    )
     document = {**json.loads(baseline.to_json()), **details}
-    if no_speculation is not None:
-        document["no_speculation_tps"] = {k: round(v, 3) for k, v in no_speculation.items()}
     write_atomically(path, json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
     return document

@@ -73,12 +73,17 @@ class Status:
                 return value
         return None
 
+    def speedups(self) -> dict[str, float]:
+        """Decode with speculation over decode without it, by bucket (where the baseline measured both)."""
+        return {labels["bucket"]: v for labels, v in self.metrics.get("llm_appliance_speculation_speedup", [])}
+
     def document(self) -> dict[str, object]:
         """--json: the same facts, for scripts."""
         shown = asdict(self)
         shown["metrics"] = {
             name: [{"labels": labels, "value": v} for labels, v in s] for name, s in self.metrics.items()
         }
+        shown["speculation_speedup"] = self.speedups()
         shown["exit_code"] = EXIT[self.health]
         return shown
 
@@ -179,7 +184,9 @@ def _screen(seen: Status) -> list[str]:
             if baseline
             else " (learning baseline)"
         )
-        lines.append(f"decode   {bucket}: {rate:.1f} tok/s{against}")
+        gain = seen.speedups().get(bucket)
+        gained = f", {gain:.2f}x the rate without speculation" if gain is not None else ""
+        lines.append(f"decode   {bucket}: {rate:.1f} tok/s{against}{gained}")
     acceptance = seen.value("speculation_acceptance_ratio")
     if seen.value("draft_configured") == 1:
         engaged = "engaged" if seen.value("speculation_engaged") == 1 else "NOT ENGAGED"

@@ -361,6 +361,9 @@ class Health(Strict):
     creep_ratio: Annotated[float, Field(gt=0.0, le=10.0)] = 0.15
     min_free_mib: Annotated[int, Field(ge=0)] = 512
     acceptance_min: Annotated[float, Field(ge=0.0, le=1.0)] = 0.4
+    # Decode with speculation over decode without it (the baseline file's no_speculation_tps), per bucket;
+    # below this, speculation costs more than it saves (LlmApplianceSpeculationNotPaying).
+    speculation_min_speedup: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
     canary_after_idle_seconds: Annotated[int, Field(ge=0)] = 900
     baseline_file: FilePath = paths.BASELINE
 
@@ -401,6 +404,7 @@ class AlertForSeconds(Strict):
     gpu_headroom_low: AlertFor = 600
     speculation_not_engaged: AlertFor = 900
     acceptance_low: AlertFor = 1800
+    speculation_not_paying: AlertFor = 1800
     version_mismatch: AlertFor = 60
     version_drift: AlertFor = 60
     restart_budget_exhausted: AlertFor = 60
