@@ -850,7 +850,8 @@ def test_speculation_slower_than_without_is_exported_and_said_once(
     assert rig.value("llm_appliance_speculation_speedup", bucket=BUCKET) == pytest.approx(0.5)
     said = [r.getMessage() for r in caplog.records if "does not pay" in r.getMessage()]
     assert said == [
-        f"speculation does not pay in {BUCKET}: 0.50x the rate without it (300.0 tok/s); run `llm-appliance tune`"
+        f"speculation does not pay in {BUCKET}: 0.50x the rate without it (300.0 tok/s);"
+        f" run `llm-appliance tune {rig.daemon.config.appliance.spec_file}`"
     ]
     for _ in range(6):
         rig.check(3 * RATE, drafted=800, accepted=700)

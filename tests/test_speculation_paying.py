@@ -64,7 +64,7 @@ def no_speculation_rate(spec: Path) -> float:
                     "predicted_per_second"
                 ]
             )
-            for _ in range(10)
+            for _ in range(6)
         ]
     return max(rates)
 
@@ -94,7 +94,7 @@ def test_speculation_slower_than_without_is_exported_and_alerts(
             Windows(traffic, 1.0, 6),
             lambda: "a speedup for " + BUCKET + "\n" + "".join(output[-30:]),
         )
-        for _ in range(8):  # a scrape a second: what Prometheus would have stored, at a shorter step
+        for _ in range(6):  # a scrape a second: what Prometheus would have stored, at a shorter step
             value = speedup(scrape(exporter_port))
             assert value is not None
             seen.append(value)

@@ -325,10 +325,11 @@ class HealthDaemon:
         change = self.paying.update(bucket, gain)
         if change == "slower":
             log.warning(
-                "speculation does not pay in %s: %.2fx the rate without it (%.1f tok/s); run `llm-appliance tune`",
+                "speculation does not pay in %s: %.2fx the rate without it (%.1f tok/s); run `llm-appliance tune %s`",
                 bucket,
                 gain,
                 self.no_speculation[bucket],
+                self.config.appliance.spec_file,
             )
         elif change == "recovered":
             log.info("speculation pays again in %s: %.2fx the rate without it", bucket, gain)
