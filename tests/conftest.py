@@ -132,6 +132,7 @@ EXAMPLE_FACTS = {
     "appliance.toml": gpu_facts(24),
     "dual-gpu.toml": gpu_facts(24, 24),
     "demo.toml": gpu_facts(),
+    "demo-draft.toml": gpu_facts(),
 }
 
 

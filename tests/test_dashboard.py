@@ -105,7 +105,12 @@ def test_every_selector_carries_the_specs_labels(
     example_boards: dict[str, dict[str, Any]], example: Callable[..., Path]
 ) -> None:
     for name, board in example_boards.items():
-        value = {"demo.toml": "demo", "appliance.toml": "workstation", "dual-gpu.toml": "dual-gpu"}[name]
+        value = {
+            "demo.toml": "demo",
+            "demo-draft.toml": "demo-draft",
+            "appliance.toml": "workstation",
+            "dual-gpu.toml": "dual-gpu",
+        }[name]
         for expr in exprs(board):
             assert labelled(expr, [f'appliance="{value}"']) == [], (name, expr)
     # Two labels, one of them needing escapes: both in every selector, quoted as PromQL reads them back.
