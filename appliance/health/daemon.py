@@ -146,6 +146,7 @@ class HealthDaemon:
         self.last_context: int | None = None
         self.baseline_versions: dict[str, str | None] | None = None
         self.metrics.draft_configured.set(1 if appliance.draft_in_use else 0)
+        self.metrics.speculation_configured.set(1 if appliance.speculation else 0)
         self.metrics.speculation_engaged.set(1)
         self.restart_log = RestartLog(appliance.state_file)
         self.energy = EnergyProbe(
