@@ -206,7 +206,7 @@ def cases() -> list[Case]:
     alert, n = "LlmApplianceSpeculationNotEngaged", steps("LlmApplianceSpeculationNotEngaged")
     engaged, configured = (
         series("llm_appliance_speculation_engaged", HEALTH),
-        series("llm_appliance_draft_configured", HEALTH),
+        series("llm_appliance_speculation_configured", HEALTH),
     )
     found += [
         Case(
@@ -446,18 +446,20 @@ def test_ngram_speculation_without_a_draft_gets_the_speculation_alerts(tmp_path:
     replace = {draft: "", 'type = "draft-simple"': 'type = "ngram-mod"'}
     rules_path = render_example(tmp_path, fixture_models, replace)
     rules = parse_rules(rules_path.read_text())
-    assert "draft_configured" not in rules["LlmApplianceSpeculationNotEngaged"].expr  # that gauge means a draft model
+    expr = rules["LlmApplianceSpeculationNotEngaged"].expr
+    assert "llm_appliance_speculation_configured" in expr  # 1 for n-grams too
+    assert "draft_configured" not in expr  # that gauge means a draft model
     assert "n-gram" in rules["LlmApplianceSpeculationNotEngaged"].annotations["summary"]
     assert "n-gram" in rules["LlmApplianceAcceptanceLow"].annotations["description"]
     n = steps("LlmApplianceSpeculationNotEngaged")
     engaged, configured = (
         series("llm_appliance_speculation_engaged", HEALTH),
-        series("llm_appliance_draft_configured", HEALTH),
+        series("llm_appliance_speculation_configured", HEALTH),
     )
     fires = Case(
         "LlmApplianceSpeculationNotEngaged",
         "ngram-not-engaged",
-        {engaged: run((1, 4), (0, n + 10)), configured: run((0, n + 14))},
+        {engaged: run((1, 4), (0, n + 10)), configured: run((1, n + 14))},
         4 + n,
         HEALTH,
     )

@@ -109,6 +109,19 @@ def test_validate_gpu_spec_with_stated_memory(cli: Run, example: Callable[..., P
     assert (code, out) == (EXIT_OK, f"{spec}: valid (0 warnings)\n"), err
 
 
+def test_validate_accepts_a_list_of_types(cli: Run, example: Callable[..., Path]) -> None:
+    spec = example("demo-draft.toml", replace={'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]'})
+    code, out, err = cli("validate", spec)
+    assert (code, out) == (EXIT_OK, f"{spec}: valid (0 warnings)\n"), err
+
+
+def test_validate_accepts_ngram_mod_with_its_parameters(cli: Run, example: Callable[..., Path]) -> None:
+    ngram_mod = 'type = "ngram-mod"\n\n[speculative.ngram_mod]\nn_match = 16\nn_min = 8\nn_max = 32\n'
+    spec = example("demo.toml", replace={'type = "ngram-mod"\n': ngram_mod})
+    code, out, err = cli("validate", spec)
+    assert (code, out) == (EXIT_OK, f"{spec}: valid (0 warnings)\n"), err
+
+
 class NoNvml:
     """NVML as on a machine without the NVIDIA driver (this one; a GPU machine would answer)."""
 

@@ -96,18 +96,20 @@ def test_help_parser_columns() -> None:
     assert dialect.flags == {"-lm", "--load-mode", "--spec-draft-model", "-md", "--model-draft", "-fa", "--flash-attn"}
 
 
-PINNED_TYPES = (
-    "none",
-    "draft-simple",
-    "draft-eagle3",
-    "draft-mtp",
-    "draft-dflash",
-    "draft-dspark",
-    "ngram-simple",
-    "ngram-map-k",
-    "ngram-map-k4v",
-    "ngram-mod",
-    "ngram-cache",
+PINNED_TYPES = frozenset(
+    {
+        "none",
+        "draft-simple",
+        "draft-eagle3",
+        "draft-mtp",
+        "draft-dflash",
+        "draft-dspark",
+        "ngram-simple",
+        "ngram-map-k",
+        "ngram-map-k4v",
+        "ngram-mod",
+        "ngram-cache",
+    }
 )
 
 
@@ -117,9 +119,9 @@ def test_builtin_dialect_lists_the_speculation_types() -> None:
 
 def test_help_parser_reads_the_spec_type_values() -> None:
     text = "--spec-type none,draft-simple,ngram-mod\n                    comma-separated list of types\n"
-    assert parse_help(text, "test").spec_types == ("none", "draft-simple", "ngram-mod")
+    assert parse_help(text, "test").spec_types == {"none", "draft-simple", "ngram-mod"}
     # A value placeholder is no list of values: the types are then judged by the flag alone.
-    assert parse_help("--spec-type TYPE      the type\n", "test").spec_types == ()
+    assert parse_help("--spec-type TYPE      the type\n", "test").spec_types == frozenset()
 
 
 def test_every_ngram_parameter_has_its_flag_in_the_pinned_build() -> None:
@@ -205,7 +207,7 @@ def test_no_type_no_speculation(example: Callable[..., Path]) -> None:
 def test_older_dialect_lists_no_types_and_takes_a_draft_alone(
     example: Callable[..., Path], older_dialect: Dialect
 ) -> None:
-    assert older_dialect.spec_types == ()
+    assert older_dialect.spec_types == frozenset()
     spec = load_spec(example("demo-draft.toml", {'type = "draft-simple"': 'type = ["draft-simple", "ngram-mod"]'})).spec
     _, problems = build_argv(spec, older_dialect, BINARY, draft_in_use=True, alias=ALIAS)
     errors = [p for p in problems if p.severity is Severity.ERROR]

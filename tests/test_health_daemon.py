@@ -255,6 +255,7 @@ def test_a_draft_that_never_drafts_is_reported(example: Callable[..., Path], eng
         seen = daemon.check()
         assert metrics.registry.get_sample_value("llm_appliance_speculation_engaged") == 0.0
         assert metrics.registry.get_sample_value("llm_appliance_draft_configured") == 1.0
+        assert metrics.registry.get_sample_value("llm_appliance_speculation_configured") == 1.0
         assert "SPECULATION NOT ENGAGED" in seen.status()
         assert seen.decode_tps is None or seen.decode_tps > 0
     finally:

@@ -56,6 +56,21 @@ def test_example_conforms_to_the_schema(validator: Any, name: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d["speculative"].update(type=["draft-simple", "ngram-mod"]),
+        lambda d: d["speculative"].update(type="draft-simple,ngram-mod"),
+        lambda d: d["speculative"].update(type="ngram-mod", ngram_mod={"n_match": 16, "n_min": 8, "n_max": 32}),
+        lambda d: d["speculative"].update(ngram_map_k={"size_n": 12, "size_m": 48, "min_hits": 1}),
+    ],
+)
+def test_schema_accepts_the_speculation_types_and_their_parameters(validator: Any, change: Any) -> None:
+    document = tomllib.loads((EXAMPLES / "appliance.toml").read_text())
+    change(document)
+    assert [e.message for e in validator.iter_errors(document)] == []
+
+
+@pytest.mark.parametrize(
     ("change", "where"),
     [
         (lambda d: d["server"].update(prot=8080), "server"),  # unknown key
@@ -64,6 +79,8 @@ def test_example_conforms_to_the_schema(validator: Any, name: str) -> None:
         # which names exist is the binary's to say (test_dialect.py); the schema holds their shape
         (lambda d: d["speculative"].update(type="draft magic"), "speculative.type"),
         (lambda d: d["speculative"].update(type=[]), "speculative.type"),
+        (lambda d: d["speculative"].update(ngram_mod={"n_matchh": 16}), "speculative.ngram_mod"),  # unknown key
+        (lambda d: d["speculative"].update(ngram_simple={"size_n": 2000}), "speculative.ngram_simple"),  # above 1024
         (lambda d: d["models"].pop("target"), "models"),  # required
     ],
 )

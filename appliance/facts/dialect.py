@@ -102,8 +102,8 @@ BUILTIN_HELP = "llama-server-0c1e570.help.txt"
 class Dialect:
     flags: frozenset[str]
     source: str  # where the flags were read from, for messages
-    # The values of --spec-type its --help lists; () when it lists none (older binaries, or no such flag).
-    spec_types: tuple[str, ...] = ()
+    # The values of --spec-type its --help lists; empty when it lists none (older binaries, or no such flag).
+    spec_types: frozenset[str] = frozenset()
 
     def spelling(self, option: str) -> str | None:
         return next((flag for flag in SPELLINGS[option] if flag in self.flags), None)
@@ -115,12 +115,12 @@ class Dialect:
 def parse_help(text: str, source: str) -> Dialect:
     """Collect every option named in the options column of `llama-server --help`."""
     flags: set[str] = set()
-    spec_types: tuple[str, ...] = ()
+    spec_types: frozenset[str] = frozenset()
     for line in text.splitlines():
         if not line.startswith("-"):
             continue
         if m := _SPEC_TYPES.match(line):
-            spec_types = tuple(m.group(1).split(","))
+            spec_types = frozenset(m.group(1).split(","))
         # "-lm,   --load-mode MODE      description": names are padded after their comma.
         names = re.sub(r",\s+", ", ", line.strip())
         column, description = ([*re.split(r"\s{2,}", names, maxsplit=1), ""])[:2]

@@ -150,6 +150,7 @@ class HealthDaemon:
         self.no_speculation: dict[str, float] = {}
         self.paying = PayingTracker(health.speculation_min_speedup)
         self.metrics.draft_configured.set(1 if appliance.draft_in_use else 0)
+        self.metrics.speculation_configured.set(1 if appliance.speculation else 0)
         self.metrics.speculation_engaged.set(1)
         self.restart_log = RestartLog(appliance.state_file)
         self.energy = EnergyProbe(

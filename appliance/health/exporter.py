@@ -85,6 +85,9 @@ class Metrics:
             ("bucket",),
         )
         self.draft_configured = gauge("draft_configured", "Whether the spec configures a draft model (1/0)")
+        self.speculation_configured = gauge(
+            "speculation_configured", "Whether llama-server is set to speculate: a draft model or n-gram types (1/0)"
+        )
         self.speculation_engaged = gauge(
             "speculation_engaged", "Whether drafts are being made, or nothing was generated yet (1/0)"
         )

@@ -147,7 +147,7 @@ def _types_known(argv: _Argv, speculative: Speculative) -> bool:
         argv.problems.append(
             error(
                 "speculative.type",
-                f"{argv.dialect.source} has no speculation type {name!r}; it lists {', '.join(listed)}",
+                f"{argv.dialect.source} has no speculation type {name!r}; it lists {', '.join(sorted(listed))}",
                 'use those names; several as a list, e.g. type = ["draft-simple", "ngram-mod"]',
             )
         )

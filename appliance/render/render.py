@@ -170,7 +170,7 @@ def selectors(appliance: Appliance, labels: tuple[str, ...]) -> dict[str, str]:
         "vram_creep": of("llm_appliance_server_vram_creep_ratio"),
         "gpu_free": of("llm_appliance_gpu_memory_free_bytes", f'device=~"{devices}"'),
         "speculation_engaged": of("llm_appliance_speculation_engaged"),
-        "draft_configured": of("llm_appliance_draft_configured"),
+        "speculation_configured": of("llm_appliance_speculation_configured"),
         "acceptance": of("llm_appliance_speculation_acceptance_ratio"),
         "drafted": of("llm_appliance_speculation_drafted_tokens_total"),
         "speculation_speedup": of("llm_appliance_speculation_speedup"),
