@@ -123,7 +123,7 @@ def test_speculation_slower_than_without_is_exported_and_alerts(
                 "interval": "10s",
                 "input_series": [
                     {
-                        "series": f'llm_appliance_speculation_speedup{{appliance="demo-draft", bucket="{BUCKET}"}}',
+                        "series": f'llm_appliance_speculation_speedup{{appliance="{rule.labels["appliance"]}", bucket="{BUCKET}"}}',
                         "values": values,
                     }
                 ],
