@@ -18,8 +18,8 @@ from appliance.facts.dialect import Dialect, builtin_dialect, parse_help, read_b
 from appliance.plan.argv import build_argv
 from appliance.plan.validate import validate
 from appliance.spec.load import load_spec
-from appliance.spec.model import NgramMod, NgramSizes, Speculative
 from appliance.spec.problems import Severity
+from appliance.spec.speculative import NgramMod, NgramSizes, Speculative
 
 OLDER_HELP = Path(__file__).parent / "data" / "llama-server-older.help.txt"
 BINARY = "/opt/llm-appliance/engine/bin/llama-server"

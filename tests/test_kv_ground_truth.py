@@ -12,7 +12,7 @@ from llama_log import LoadLog, load_log
 
 from appliance.facts.gguf import read_model
 from appliance.plan.memory import Cache, ContextParams, context_memory
-from appliance.spec.model import CacheType
+from appliance.spec.base import CacheType
 
 MIB = 1 << 20
 LOG_ROUNDING_MIB = 0.005 + 1e-9  # %.2f of an exact half (0.125 prints 0.12)

@@ -27,8 +27,9 @@ from appliance.render.apply import changes, installed_spec_path, reload_system, 
 from appliance.render.check import require_accepted
 from appliance.render.render import render
 from appliance.runtime.launch import Launcher, LaunchPlan
+from appliance.spec.base import DEFAULT_BINARY
 from appliance.spec.load import load_spec
-from appliance.spec.model import DEFAULT_BINARY, Spec
+from appliance.spec.model import Spec
 from appliance.spec.problems import SpecInvalid, report
 from appliance.system import paths
 from appliance.system.run import CommandFailed

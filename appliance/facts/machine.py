@@ -13,7 +13,8 @@ from pathlib import Path
 from appliance.facts.dialect import Dialect, builtin_dialect, read_binary_dialect
 from appliance.facts.gpu import GpuMemory, Nvml, NvmlUnavailable, Pynvml
 from appliance.facts.meminfo import MEMINFO, HostMemory, MeminfoError, read_meminfo
-from appliance.spec.model import DEFAULT_BINARY, Spec
+from appliance.spec.base import DEFAULT_BINARY
+from appliance.spec.model import Spec
 from appliance.system.run import CommandFailed
 
 

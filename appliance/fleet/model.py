@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, field_validator
 
-from appliance.spec.model import FilePath, Line, Strict
+from appliance.spec.base import FilePath, Line, Strict
 
 HOST_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 CLOCK = re.compile(r"^([01][0-9]|2[0-3]):([0-5][0-9])$")

@@ -16,8 +16,9 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from appliance.spec.checks import draft_length_problems
-from appliance.spec.model import Spec, Speculative
+from appliance.spec.model import Spec
 from appliance.spec.problems import Severity
+from appliance.spec.speculative import Speculative
 
 
 class BenchError(Exception):

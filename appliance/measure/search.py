@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from appliance.measure.config import NO_SPECULATION, BenchError, Config, valid
-from appliance.spec.model import CACHE_BYTES
+from appliance.spec.base import CACHE_BYTES
 
 Value = int | float | str
 # The draft's values by name; an n-gram type's as "ngram-mod.n_match".

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 from appliance.facts.dialect import REMOVED, SPELLINGS, SYNTHETIC_PREFIX, Dialect
-from appliance.spec.model import LogLevel, Spec, Speculative
+from appliance.spec.base import LogLevel
+from appliance.spec.model import Spec
 from appliance.spec.problems import Problem, error, warning
+from appliance.spec.speculative import Speculative
 
 
 class _Argv:

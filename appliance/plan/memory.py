@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from appliance.facts.gguf import ModelInfo
-from appliance.spec.model import CacheType, Model, Spec
+from appliance.spec.base import CacheType
+from appliance.spec.model import Model, Spec
 
 CELL_PAD = 256
 # ggml type traits of the cache types (ggml/src/ggml.c): elements per block, bytes per block. A row is whole

@@ -16,7 +16,8 @@ from appliance.plan.devices import draft_devices, draft_in_use, gpu_devices, off
 from appliance.plan.fit import largest_fits
 from appliance.plan.host import HOST, host_budget
 from appliance.plan.sandbox import Sandbox
-from appliance.spec.model import Spec, line_breaks
+from appliance.spec.base import line_breaks
+from appliance.spec.model import Spec
 from appliance.spec.problems import Problem, warning
 
 

@@ -8,8 +8,8 @@ from typing import Any
 from appliance.plan.budget import DeviceBudget
 from appliance.plan.fit import DeviceFit
 from appliance.plan.plan import Plan
-from appliance.spec.model import NgramMod, NgramSizes, Speculative
 from appliance.spec.problems import Problem
+from appliance.spec.speculative import NgramMod, NgramSizes, Speculative
 
 Parameters = dict[str, int | float | None]
 

@@ -16,9 +16,10 @@ from appliance.facts.vocab import Vocab, VocabUnavailable, incompatibilities, re
 from appliance.plan.plan import Plan, plan
 from appliance.plan.sandbox import sandbox
 from appliance.plan.secrets import key_problems
+from appliance.spec.base import line_breaks
 from appliance.spec.checks import spec_problems
 from appliance.spec.load import LoadedSpec, load_spec
-from appliance.spec.model import Spec, line_breaks
+from appliance.spec.model import Spec
 from appliance.spec.problems import Problem, Severity, SpecInvalid, error, warning
 
 VocabReader = Callable[[Path, Path | None], Vocab]

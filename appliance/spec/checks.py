@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from appliance.spec.base import QUANTIZED_CACHE
 from appliance.spec.load import LoadedSpec
-from appliance.spec.model import QUANTIZED_CACHE, Model, NgramMod, Spec, Speculative
+from appliance.spec.model import Model, Spec
 from appliance.spec.problems import Problem, error, warning
+from appliance.spec.speculative import NgramMod, Speculative
 
 FAST_N_MAX = 16
 # ngram-mod's defaults in llama-server --help (pinned build 0c1e570): n_min 48, n_max 64.

@@ -8,104 +8,31 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import unicodedata
 import urllib.parse
-from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
     Field,
-    WithJsonSchema,
     field_validator,
     model_validator,
 )
 
+from appliance.spec.base import (
+    DEFAULT_BINARY,
+    DEVICE_NAME,
+    Address,
+    Alias,
+    CacheType,
+    FilePath,
+    GpuLayers,
+    Line,
+    LogLevel,
+    Strict,
+    _one_line,
+)
+from appliance.spec.speculative import Speculative, Tuning
 from appliance.system import paths
-
-CacheType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "iq4_nl", "q4_1", "q4_0"]
-# Bytes per element of each KV cache type (blocks of 32 for the quantized ones), largest first.
-CACHE_BYTES: dict[CacheType, float] = {
-    "f32": 4.0,
-    "f16": 2.0,
-    "bf16": 2.0,
-    "q8_0": 34 / 32,
-    "q5_1": 24 / 32,
-    "q5_0": 22 / 32,
-    "iq4_nl": 18 / 32,
-    "q4_1": 20 / 32,
-    "q4_0": 18 / 32,
-}
-assert tuple(CACHE_BYTES) == get_args(CacheType)
-QUANTIZED_CACHE = frozenset(name for name, size in CACHE_BYTES.items() if size < 2)
-GpuLayers = Annotated[int, Field(ge=0, le=1000)] | Literal["auto", "all"]
-DEVICE_NAME = re.compile(r"^(none|[A-Za-z]+[0-9]+)$")
-DEFAULT_BINARY = str(paths.engine_binary(paths.ENGINE_DIR))
-
-
-def line_breaks(text: str) -> list[str]:
-    """The characters of `text` that could end a line or hide in one: control characters and Unicode line and
-    paragraph separators (a JavaScript comment in the polkit rules ends at U+2028, a unit line at \\n)."""
-    return sorted({repr(c)[1:-1] for c in text if unicodedata.category(c) in ("Cc", "Zl", "Zp")})
-
-
-def _one_line(value: str) -> str:
-    found = line_breaks(value)
-    if found:
-        raise ValueError(
-            f"holds {', '.join(found)}: a value that reaches a rendered unit, ruleset or YAML file must be one line "
-            "of printable text"
-        )
-    return value
-
-
-def _one_line_path(value: Path) -> Path:
-    _one_line(str(value))
-    return value
-
-
-def _address(value: str) -> str:
-    if value == "localhost":
-        return value
-    try:
-        if "%" in value:  # an IPv6 zone (fe80::1%eth0): systemd's IPAddressAllow= and nft take none
-            raise ValueError
-        ipaddress.ip_address(value)
-    except ValueError:
-        raise ValueError(
-            f"{value!r} is not an IP address; use 127.0.0.1, ::1, 0.0.0.0 or one of this machine's addresses"
-        ) from None
-    return value
-
-
-def _alias(value: str) -> str:
-    # llama-server splits --alias at commas and strips each part; its API then names the model by the first
-    # alias in sorted order, so a comma would quietly name the model something else.
-    if not value.strip() or value != value.strip() or "," in value:
-        raise ValueError(
-            f"{value!r} cannot name the model: write one name without commas or surrounding spaces, "
-            'e.g. "qwen3-27b-coder"; clients send it as their `model`'
-        )
-    return value
-
-
-LogLevel = Literal["error", "warning", "info", "trace", "debug"]
-
-
-# Free-form text that reaches a rendered file (a unit, the ruleset, YAML): one printable line, checked where it
-# enters the model. TOML strings become paths; every other value must already have its TOML type (strict below).
-Line = Annotated[str, AfterValidator(_one_line)]
-FilePath = Annotated[Path, Field(strict=False), AfterValidator(_one_line_path)]
-Address = Annotated[str, AfterValidator(_address)]
-Alias = Annotated[str, AfterValidator(_one_line), AfterValidator(_alias)]
-
-
-class Strict(BaseModel):
-    # strict: no coercion, so `port = "8080"` or `parallel = true` is a type error, not silently 8080 or 1.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Sampling(Strict):
@@ -217,106 +144,6 @@ class Model(Strict):
 class Models(Strict):
     target: Model
     draft: Model | None = None
-
-
-SPEC_TYPE_NAME = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
-
-
-def _joined_types(value: object) -> object:
-    # A list in TOML and llama-server's own comma-separated spelling are one value: the spelling is kept.
-    if isinstance(value, list) and all(isinstance(name, str) for name in value):
-        return ",".join(value)
-    return value
-
-
-def _type_names(value: str) -> str:
-    """Which names the binary lists is the dialect's to say (plan/argv.py); here only the list's shape."""
-    names = [name.strip() for name in value.split(",")]
-    for name in names:
-        if not SPEC_TYPE_NAME.match(name):
-            raise ValueError(
-                f'{name!r} is not a speculation type name; write e.g. "draft-simple", "ngram-mod", '
-                '["draft-simple", "ngram-mod"] or "none"'
-            )
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        raise ValueError(f"names {', '.join(twice)} more than once; list each type once")
-    if "none" in names and len(names) > 1:
-        raise ValueError('"none" turns speculation off and cannot be combined; write "none" alone')
-    return ",".join(names)
-
-
-# "ngram-mod", "draft-simple,ngram-mod" or ["draft-simple", "ngram-mod"]: kept as llama-server's comma-separated
-# --spec-type value (the snapshot and the argv carry it as is).
-SpecTypes = Annotated[
-    str,
-    BeforeValidator(_joined_types),
-    AfterValidator(_type_names),
-    # The names themselves are the binary's (its --help); the schema states their shape.
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "string", "pattern": r"^[a-z0-9]+(-[a-z0-9]+)*(,[a-z0-9]+(-[a-z0-9]+)*)*$"},
-                {"type": "array", "items": {"type": "string", "pattern": SPEC_TYPE_NAME.pattern}, "minItems": 1},
-            ],
-            "examples": ["draft-simple", "ngram-mod", ["draft-simple", "ngram-mod"], "none"],
-        }
-    ),
-]
-NgramCount = Annotated[int, Field(ge=1, le=1024)] | None
-
-
-class NgramMod(Strict):
-    """ngram-mod's own parameters (--spec-ngram-mod-*); None: the engine's default."""
-
-    n_match: NgramCount = None  # lookup length
-    n_min: NgramCount = None  # fewest tokens it drafts
-    n_max: NgramCount = None  # most tokens it drafts
-
-
-class NgramSizes(Strict):
-    """ngram-simple's, ngram-map-k's or ngram-map-k4v's parameters (--spec-ngram-TYPE-*); None: the engine's."""
-
-    size_n: NgramCount = None  # length of the lookup n-gram
-    size_m: NgramCount = None  # length of the draft m-gram
-    min_hits: NgramCount = None  # how often an n-gram must have been seen before it drafts
-
-
-class Speculative(Strict):
-    type: SpecTypes = "draft-simple"
-    # The draft-* types' --spec-draft-n-max/-n-min/-p-min.
-    n_max: Annotated[int, Field(ge=1, le=64)] = 6
-    n_min: Annotated[int, Field(ge=0, le=64)] = 0
-    p_min: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    ngram_mod: NgramMod | None = None
-    ngram_simple: NgramSizes | None = None
-    ngram_map_k: NgramSizes | None = None
-    ngram_map_k4v: NgramSizes | None = None
-
-    @property
-    def types(self) -> tuple[str, ...]:
-        """The types in the order written; () for "none"."""
-        return () if self.type == "none" else tuple(self.type.split(","))
-
-    @property
-    def draft_types(self) -> tuple[str, ...]:
-        """The types that draft with a draft model."""
-        return tuple(name for name in self.types if name.startswith("draft-"))
-
-    @property
-    def ngram_types(self) -> tuple[str, ...]:
-        """The types that draft from the text itself: no draft model needed."""
-        return tuple(name for name in self.types if name.startswith("ngram-"))
-
-    def ngram_tables(self) -> dict[str, NgramMod | NgramSizes]:
-        """Each n-gram sub-table written, by its field ("ngram_map_k"; its type is "ngram-map-k")."""
-        tables = {
-            "ngram_mod": self.ngram_mod,
-            "ngram_simple": self.ngram_simple,
-            "ngram_map_k": self.ngram_map_k,
-            "ngram_map_k4v": self.ngram_map_k4v,
-        }
-        return {name: table for name, table in tables.items() if table is not None}
 
 
 class Memory(Strict):
@@ -434,48 +261,6 @@ class Prometheus(Strict):
                 raise ValueError(f"{name!r} is not a Prometheus label name; use letters, digits and _")
             if name in RESERVED_LABELS:
                 raise ValueError(f"{name!r} is set by the rendered rules and scrape jobs; choose another label name")
-        return value
-
-
-WORKLOAD_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
-
-
-def _workload_names(value: dict[str, object]) -> None:
-    for name in value:
-        if not WORKLOAD_NAME.match(name):
-            raise ValueError(f"{name!r} is not a workload name of the prompt suite; use names like code, chat, long-qa")
-
-
-class TuningProfile(Strict):
-    """The speculative values `llm-appliance tune` measured best for one workload, and its decode rate there:
-    its type, the draft's values where it drafts, and an n-gram type's own where they differ from the engine's."""
-
-    type: SpecTypes = "draft-simple"
-    n_max: Annotated[int, Field(ge=1, le=64)] | None = None
-    n_min: Annotated[int, Field(ge=0, le=64)] = 0
-    p_min: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    draft_gpu_layers: GpuLayers | None = None
-    draft_cache_type: CacheType | None = None
-    ngram_mod: NgramMod | None = None
-    ngram_simple: NgramSizes | None = None
-    ngram_map_k: NgramSizes | None = None
-    ngram_map_k4v: NgramSizes | None = None
-    decode_tps: Annotated[float, Field(ge=0.0)] | None = None
-
-
-class Tuning(Strict):
-    """Written by `llm-appliance tune --write`: the workload mix [speculative] was chosen for (name -> weight)
-    and each workload's own best values. llama-server applies one set of speculative values to every request."""
-
-    workloads: dict[str, Annotated[float, Field(gt=0.0, le=1000.0)]] = {}
-    profiles: dict[str, TuningProfile] = {}
-    suite: Line = ""
-    measured_at: Line = ""
-
-    @field_validator("workloads", "profiles")
-    @classmethod
-    def _names(cls, value: dict[str, object]) -> dict[str, object]:
-        _workload_names(value)
         return value
 
 

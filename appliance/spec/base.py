@@ -1,0 +1,101 @@
+"""The field types every section of the spec uses: KV cache types and their sizes, GPU layers, one-line
+strings and paths, addresses, the model name in the API, and the strict base model (unknown keys rejected,
+no coercion)."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import unicodedata
+from pathlib import Path
+from typing import Annotated, Literal, get_args
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+)
+
+from appliance.system import paths
+
+CacheType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "iq4_nl", "q4_1", "q4_0"]
+# Bytes per element of each KV cache type (blocks of 32 for the quantized ones), largest first.
+CACHE_BYTES: dict[CacheType, float] = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q5_1": 24 / 32,
+    "q5_0": 22 / 32,
+    "iq4_nl": 18 / 32,
+    "q4_1": 20 / 32,
+    "q4_0": 18 / 32,
+}
+assert tuple(CACHE_BYTES) == get_args(CacheType)
+QUANTIZED_CACHE = frozenset(name for name, size in CACHE_BYTES.items() if size < 2)
+GpuLayers = Annotated[int, Field(ge=0, le=1000)] | Literal["auto", "all"]
+DEVICE_NAME = re.compile(r"^(none|[A-Za-z]+[0-9]+)$")
+DEFAULT_BINARY = str(paths.engine_binary(paths.ENGINE_DIR))
+
+
+def line_breaks(text: str) -> list[str]:
+    """The characters of `text` that could end a line or hide in one: control characters and Unicode line and
+    paragraph separators (a JavaScript comment in the polkit rules ends at U+2028, a unit line at \\n)."""
+    return sorted({repr(c)[1:-1] for c in text if unicodedata.category(c) in ("Cc", "Zl", "Zp")})
+
+
+def _one_line(value: str) -> str:
+    found = line_breaks(value)
+    if found:
+        raise ValueError(
+            f"holds {', '.join(found)}: a value that reaches a rendered unit, ruleset or YAML file must be one line "
+            "of printable text"
+        )
+    return value
+
+
+def _one_line_path(value: Path) -> Path:
+    _one_line(str(value))
+    return value
+
+
+def _address(value: str) -> str:
+    if value == "localhost":
+        return value
+    try:
+        if "%" in value:  # an IPv6 zone (fe80::1%eth0): systemd's IPAddressAllow= and nft take none
+            raise ValueError
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ValueError(
+            f"{value!r} is not an IP address; use 127.0.0.1, ::1, 0.0.0.0 or one of this machine's addresses"
+        ) from None
+    return value
+
+
+def _alias(value: str) -> str:
+    # llama-server splits --alias at commas and strips each part; its API then names the model by the first
+    # alias in sorted order, so a comma would quietly name the model something else.
+    if not value.strip() or value != value.strip() or "," in value:
+        raise ValueError(
+            f"{value!r} cannot name the model: write one name without commas or surrounding spaces, "
+            'e.g. "qwen3-27b-coder"; clients send it as their `model`'
+        )
+    return value
+
+
+LogLevel = Literal["error", "warning", "info", "trace", "debug"]
+
+
+# Free-form text that reaches a rendered file (a unit, the ruleset, YAML): one printable line, checked where it
+# enters the model. TOML strings become paths; every other value must already have its TOML type (strict below).
+Line = Annotated[str, AfterValidator(_one_line)]
+FilePath = Annotated[Path, Field(strict=False), AfterValidator(_one_line_path)]
+Address = Annotated[str, AfterValidator(_address)]
+Alias = Annotated[str, AfterValidator(_one_line), AfterValidator(_alias)]
+
+
+class Strict(BaseModel):
+    # strict: no coercion, so `port = "8080"` or `parallel = true` is a type error, not silently 8080 or 1.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
