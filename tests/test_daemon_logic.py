@@ -228,7 +228,7 @@ def learn_baseline(rig: Rig, rate: float = RATE) -> None:
     """The first check has no window; then baseline_windows windows make the baseline."""
     for _ in range(1 + rig.spec.health.baseline_windows):
         assert rig.check(rate).action == "none"
-    assert rig.daemon.decay.baselines == {BUCKET: rate}
+    assert rig.daemon.watch.decay.baselines == {BUCKET: rate}
 
 
 def no_surprises(rig: Rig) -> None:
@@ -258,8 +258,8 @@ def test_decay_restarts_the_server_and_is_remembered(rig: Rig) -> None:
     daemon = rig.new_daemon()
     assert rig.restarts("decay") == 1
     assert rig.value("llm_appliance_last_restart_timestamp_seconds") == restarted_at
-    assert daemon.policy.history == [restarted_at]
-    assert daemon.policy.decide(rig.clock.now, "decay", busy=False).action == "cooldown"
+    assert daemon.turn.policy.history == [restarted_at]
+    assert daemon.turn.policy.decide(rig.clock.now, "decay").action == "cooldown"
 
 
 def test_restart_history_older_than_an_hour_counts_but_does_not_limit(rig: Rig) -> None:
@@ -268,7 +268,7 @@ def test_restart_history_older_than_an_hour_counts_but_does_not_limit(rig: Rig) 
         log.append(START - age, "creep")
     daemon = rig.new_daemon()
     assert rig.restarts("creep") == 3
-    assert daemon.policy.history == [START - 30]
+    assert daemon.turn.policy.history == [START - 30]
 
 
 def test_the_restart_history_is_never_written_through_a_planted_link(tmp_path: Path) -> None:
@@ -295,7 +295,7 @@ def test_a_slow_bucket_of_its_own_is_not_decay(rig: Rig) -> None:
     rig.api.slot_list = [{"id": 0, "n_prompt_tokens": 30000, "next_token": [{"n_decoded": 100}]}]
     for _ in range(20):
         assert rig.check(0.5 * RATE).action == "none"
-    assert rig.daemon.decay.baselines == {BUCKET: RATE, "ctx<=32K": 0.5 * RATE}
+    assert rig.daemon.watch.decay.baselines == {BUCKET: RATE, "ctx<=32K": 0.5 * RATE}
     assert rig.control.restarts == []
 
 
@@ -314,9 +314,9 @@ def test_decay_continues_counting_after_a_failed_restart(rig: Rig) -> None:
 
 def test_vram_creep_restarts_the_server(rig: Rig) -> None:
     rig.check()  # no window yet: not warmed up
-    assert rig.daemon.creep.baseline is None
+    assert rig.daemon.watch.creep.baseline is None
     rig.check()  # tokens generated: warmed up, the baseline is this sample
-    assert rig.daemon.creep.baseline == 20 * GIB
+    assert rig.daemon.watch.creep.baseline == 20 * GIB
     assert rig.value("llm_appliance_server_vram_bytes") == 20 * GIB
     assert rig.value("llm_appliance_server_on_gpu") == 1
     rig.nvml.server_bytes = int(26 * GIB)  # +30%
@@ -332,11 +332,11 @@ def test_vram_creep_restarts_the_server(rig: Rig) -> None:
     assert rig.control.restarts == ["creep"]
     assert rig.restarts("creep") == 1
     # After the restart the fresh server gets a fresh baseline.
-    assert rig.daemon.creep.baseline is None
+    assert rig.daemon.watch.creep.baseline is None
     rig.nvml.server_bytes = 20 * GIB
     for _ in range(10):
         assert rig.check().action == "none"
-    assert rig.daemon.creep.baseline == 20 * GIB
+    assert rig.daemon.watch.creep.baseline == 20 * GIB
     assert rig.value("llm_appliance_server_vram_creep_ratio") == 0
     no_surprises(rig)
 
@@ -642,7 +642,7 @@ def test_a_baseline_measured_under_another_driver_is_stale(tmp_path: Path) -> No
     )
     spec.health.baseline_file.write_text(baseline.to_json())
     rig = Rig(tmp_path, spec)
-    assert rig.daemon.decay.baselines == {BUCKET: RATE}  # preset: no learning windows
+    assert rig.daemon.watch.decay.baselines == {BUCKET: RATE}  # preset: no learning windows
     rig.nvml.driver = "555.42"
     rig.check()
     seen = rig.check()
@@ -683,7 +683,7 @@ def test_a_broken_baseline_file_is_ignored(tmp_path: Path) -> None:
     spec = make_spec(tmp_path)
     spec.health.baseline_file.write_text("{not json")
     rig = Rig(tmp_path, spec)
-    assert rig.daemon.decay.baselines == {}
+    assert rig.daemon.watch.decay.baselines == {}
     learn_baseline(rig)
 
 
@@ -774,10 +774,10 @@ def test_an_idle_server_is_measured_by_a_canary(tmp_path: Path) -> None:
     rig.check(None)  # 300 s idle
     assert [(p, n) for p, n, _ in canaries(rig)] == [(CANARY_PROMPT, 32)]
     assert canaries(rig)[0][2]["temperature"] == 0
-    assert rig.daemon.decay._learning["canary"] == [140.0]
+    assert rig.daemon.watch.decay._learning["canary"] == [140.0]
     # The canary's own tokens are not traffic, and a busy server gets no canary.
     rig.check(None)
-    assert BUCKET not in rig.daemon.decay._learning
+    assert BUCKET not in rig.daemon.watch.decay._learning
     rig.api.processing = 1
     for _ in range(30):
         rig.check(None)
@@ -808,7 +808,7 @@ def test_readiness_follows_the_server_loading_up_down_and_a_restart(rig: Rig) ->
 
 
 def test_a_draining_daemon_stays_not_ready_while_the_server_is_up(rig: Rig) -> None:
-    rig.daemon.draining = True
+    rig.daemon.turn.draining = True
     rig.check(None)
     assert rig.daemon.readiness.reason == "draining"
     assert rig.value("llm_appliance_draining") == 1 and rig.value("llm_appliance_ready") == 0

@@ -345,7 +345,7 @@ def test_low_acceptance_is_flagged() -> None:
 
 
 def policy(**overrides: float) -> RestartPolicy:
-    settings = {"cooldown_seconds": 600, "max_per_hour": 3, "idle_timeout_seconds": 300}
+    settings = {"cooldown_seconds": 600, "max_per_hour": 3}
     settings.update(overrides)
     return RestartPolicy(**settings)  # type: ignore[arg-type]
 
@@ -356,7 +356,7 @@ def test_a_restart_storm_is_capped(cooldown: int, max_per_hour: int) -> None:
     restarts, actions = [], []
     now = 1_700_000_000.0
     for _ in range(int(3 * 3600 / INTERVAL)):
-        decision = p.decide(now, "decay", busy=False)
+        decision = p.decide(now, "decay")
         actions.append(decision.action)
         if decision.action == "restart":
             restarts.append(now)
@@ -380,7 +380,7 @@ def test_the_storm_timeline_with_the_defaults() -> None:
     restarts = []
     for check in range(int(3 * 3600 / INTERVAL)):
         now = check * INTERVAL
-        if p.decide(now, "creep", busy=False).action == "restart":
+        if p.decide(now, "creep").action == "restart":
             restarts.append(now)
             p.restarted(now)
     assert restarts == [0, 600, 1200, 3600, 4200, 4800, 7200, 7800, 8400]
@@ -388,71 +388,34 @@ def test_the_storm_timeline_with_the_defaults() -> None:
 
 def test_exhausted_clears_once_the_hour_passes() -> None:
     p = policy(cooldown_seconds=0, max_per_hour=1)
-    assert p.decide(0, "hang", busy=False).action == "restart"
+    assert p.decide(0, "hang").action == "restart"
     p.restarted(0)
-    assert p.decide(30, "hang", busy=False).action == "exhausted"
+    assert p.decide(30, "hang").action == "exhausted"
     assert p.exhausted
-    assert p.decide(3599, "hang", busy=False).action == "exhausted"
-    assert p.decide(3600, "hang", busy=False).action == "restart"
+    assert p.decide(3599, "hang").action == "exhausted"
+    assert p.decide(3600, "hang").action == "restart"
     assert not p.exhausted
 
 
 def test_zero_restarts_an_hour_means_never() -> None:
     p = policy(max_per_hour=0)
-    assert p.decide(0, "decay", busy=False).action == "exhausted"
+    assert p.decide(0, "decay").action == "exhausted"
     assert p.exhausted
 
 
-def test_a_busy_server_waits_until_idle_timeout() -> None:
+def test_a_wanted_restart_outside_the_cooldown_and_budget_is_done_at_once() -> None:
+    decision = policy().decide(0, "creep")
+    assert (decision.action, decision.reason, decision.detail) == ("restart", "creep", "idle")
+
+
+def test_restarted_starts_the_cooldown() -> None:
     p = policy()
-    wanted_at = 1000.0
-    now = wanted_at
-    while now < wanted_at + 300:
-        decision = p.decide(now, "decay", busy=True)
-        assert decision.action == "wait", now
-        assert "server busy" in decision.detail
-        now += INTERVAL
-    assert now == wanted_at + 300
-    decision = p.decide(now, "decay", busy=True)
-    assert decision.action == "restart"
-    assert "still busy" in decision.detail
-
-
-def test_a_wanted_restart_happens_as_soon_as_the_server_is_idle() -> None:
-    p = policy()
-    assert p.decide(0, "decay", busy=True).action == "wait"
-    assert p.decide(30, "decay", busy=True).action == "wait"
-    decision = p.decide(60, "decay", busy=False)
-    assert (decision.action, decision.reason, decision.detail) == ("restart", "decay", "idle")
-
-
-def test_an_idle_server_restarts_at_once() -> None:
-    assert policy().decide(0, "creep", busy=False).action == "restart"
-
-
-def test_no_reason_resets_the_wanted_state() -> None:
-    p = policy()
-    wanted = p.decide(0, "decay", busy=True)
-    assert (wanted.action, wanted.reason) == ("wait", "decay")
-    assert p.wanted_since == 0
-    assert p.decide(240, "decay", busy=True).action == "wait"
-    assert p.decide(270, None, busy=True).action == "none"
-    assert p.wanted_since is None
-    # Wanted again: the idle timeout counts from now, not from the first time.
-    assert p.decide(300, "decay", busy=True).action == "wait"
-    assert p.decide(570, "decay", busy=True).action == "wait"
-    assert p.decide(600, "decay", busy=True).action == "restart"
-
-
-def test_restarted_clears_the_wanted_state_and_starts_the_cooldown() -> None:
-    p = policy()
-    assert p.decide(0, "decay", busy=False).action == "restart"
+    assert p.decide(0, "decay").action == "restart"
     p.restarted(0)
-    assert p.wanted_since is None
-    decision = p.decide(30, "decay", busy=False)
+    decision = p.decide(30, "decay")
     assert decision.action == "cooldown"
     assert "570 s of cooldown left" in decision.detail
-    assert p.decide(600, "decay", busy=False).action == "restart"
+    assert p.decide(600, "decay").action == "restart"
 
 
 def test_restarted_forgets_restarts_older_than_an_hour() -> None:

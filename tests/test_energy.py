@@ -17,9 +17,9 @@ from test_daemon_logic import INTERVAL, RATE, FakeClock, FakeNvml, Rig, make_spe
 
 from appliance.facts.energy import POWERCAP, Energy, EnergyUnreadable, NvmlMeter, RaplMeter, meters_for
 from appliance.facts.gpu import NvmlUnavailable
-from appliance.health.daemon import CANARY_PROMPT, WARMUP_PROMPT
 from appliance.health.energy import EnergyProbe
 from appliance.health.exporter import Metrics
+from appliance.health.probe import CANARY_PROMPT, WARMUP_PROMPT
 
 REPO = Path(__file__).resolve().parent.parent
 RANGE_UJ = 262_143_328_850  # a real package's max_energy_range_uj
@@ -318,7 +318,7 @@ class Broken:
 def test_a_surprise_in_a_meter_costs_the_check_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "llm-appliance.health")
     rig = Rig(tmp_path)
-    rig.daemon.energy.meters = [Broken()]
+    rig.daemon.watch.energy.meters = [Broken()]
     for _ in range(3):
         seen = rig.check(RATE)
     assert seen.up and seen.decode_tps == RATE

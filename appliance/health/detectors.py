@@ -196,29 +196,25 @@ class PayingTracker:
 
 @dataclass(frozen=True)
 class RestartDecision:
-    action: str  # "restart", "wait", "cooldown", "exhausted", "none"
+    action: str  # "restart", "cooldown", "exhausted", "none"
     reason: str
     detail: str = ""
 
 
 @dataclass
 class RestartPolicy:
-    """When a wanted restart may happen: idle (or idle_timeout at the latest), outside the cooldown,
-    at most max_per_hour; past the budget it stops restarting and says so instead of looping."""
+    """Whether a wanted restart may happen now: outside the cooldown, at most max_per_hour; past the budget it
+    stops restarting and says so instead of looping. Waiting for the requests in flight is the drain's
+    (appliance.health.drain), which every restart takes."""
 
     cooldown_seconds: float
     max_per_hour: int
-    idle_timeout_seconds: float
     history: list[float] = field(default_factory=list)
-    wanted_since: float | None = None
     exhausted: bool = False
 
-    def decide(self, now: float, reason: str | None, busy: bool) -> RestartDecision:
+    def decide(self, now: float, reason: str | None) -> RestartDecision:
         if reason is None:
-            self.wanted_since = None
             return RestartDecision("none", "")
-        if self.wanted_since is None:
-            self.wanted_since = now
         recent = [t for t in self.history if now - t < 3600]
         if len(recent) >= self.max_per_hour:
             self.exhausted = True
@@ -230,15 +226,7 @@ class RestartPolicy:
             return RestartDecision(
                 "cooldown", reason, f"{self.cooldown_seconds - (now - self.history[-1]):.0f} s of cooldown left"
             )
-        waited = now - self.wanted_since
-        if busy and waited < self.idle_timeout_seconds:
-            return RestartDecision(
-                "wait", reason, f"server busy; restarting when idle or in {self.idle_timeout_seconds - waited:.0f} s"
-            )
-        return RestartDecision(
-            "restart", reason, "idle" if not busy else f"still busy after {waited:.0f} s (idle_timeout)"
-        )
+        return RestartDecision("restart", reason, "idle")
 
     def restarted(self, now: float) -> None:
         self.history = [t for t in self.history if now - t < 3600] + [now]
-        self.wanted_since = None

@@ -80,7 +80,7 @@ def load_suite(path: Path | None = None) -> Suite:
 
 def canary_workload() -> Workload:
     """The health daemon's canary, so its decay check has a measured baseline of its own."""
-    from appliance.health.daemon import CANARY_PROMPT, CANARY_TOKENS
+    from appliance.health.probe import CANARY_PROMPT, CANARY_TOKENS
 
     return Workload(CANARY, "health canary", "completion", CANARY_TOKENS, prompt=CANARY_PROMPT, stream=False)
 

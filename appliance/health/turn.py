@@ -1,0 +1,183 @@
+"""The restart turn: from a wanted restart (the watch's reason, or one asked for by the timer or an admin) to
+the restart itself, through the budget and cooldown (RestartPolicy), this host's turn in the fleet (the
+min_ready guard, restart_turn), and the drain (Drain). It owns the state between checks: draining, the claim,
+the adopted request, what it last said; `step` moves it once per check and returns what to do now.
+
+The restart is the daemon's to carry out (it touches the server, the watch and the probe); `restarted` tells
+the turn it happened. Readiness follows from the turn's state (`ready_reason`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from appliance.health.detectors import RestartPolicy
+from appliance.health.drain import Drain, restart_turn
+from appliance.health.exporter import Metrics, Readiness
+from appliance.health.peers import Peer
+from appliance.health.requests import RestartRequest, RestartRequests
+from appliance.health.watch import Observation
+from appliance.spec.model import Spec
+
+log = logging.getLogger("llm-appliance.health")
+# The actions after which a restart is still to come (restart_pending).
+PENDING = ("claim", "drain", "wait", "cooldown")
+
+
+@dataclass(frozen=True)
+class Action:
+    """What this check does about a wanted restart: "none", "cooldown" or "exhausted" (the policy), "wait" (for
+    the fleet's turn or requests in flight), "claim", "drain", "held" (the fleet decays at once), "restart"."""
+
+    kind: str
+    reason: str | None = None
+    detail: str = ""
+
+
+def ready_reason(seen: Observation, warm: bool, draining: bool, restarting: bool) -> str | None:
+    """What /ready says after a check: None (ready) or why not."""
+    if restarting:
+        return "restarting"  # until a check sees the restarted server answer /health again
+    if draining:
+        return "draining"
+    if seen.up:
+        return None if warm else "warming"
+    return "loading" if seen.health_status == 503 else "down"
+
+
+class RestartTurn:
+    def __init__(self, spec: Spec, requests: RestartRequests, metrics: Metrics, readiness: Readiness) -> None:
+        restart, fleet = spec.restart, spec.fleet
+        self.fleet = fleet
+        self.requests, self.metrics, self.readiness = requests, metrics, readiness
+        self.policy = RestartPolicy(restart.cooldown_seconds, restart.max_per_hour)
+        self.drain = Drain(fleet.drain_seconds if fleet else 0, restart.idle_timeout_seconds)
+        self.draining = False
+        # A restart taking its turn in the fleet (claimed, or waiting for one): the daemon polls meanwhile.
+        self.in_turn = False
+        self.claimed = False
+        self.requested: RestartRequest | None = None
+        self.said = ""
+
+    def step(self, now: float, seen: Observation, read_peers: Callable[[Mapping[str, str]], list[Peer]]) -> Action:
+        if seen.reason != "decay":
+            self.metrics.fleet_decay.set(0)
+        decision = self.policy.decide(now, seen.reason)
+        self.metrics.restart_budget_exhausted.set(1 if self.policy.exhausted else 0)
+        self.requested = self.requested or self.requests.adopt()
+        # What the peers read: the restart this host wants (whatever the policy says of it), and its claim.
+        asked = self.requested.reason if self.requested else None
+        self.readiness.restart_wanted(seen.reason or asked, self.claimed)
+        if decision.action == "exhausted":
+            self._say(
+                f"restart wanted ({decision.reason}) but not done: {decision.detail}; the server needs a human",
+                level=logging.ERROR,
+            )
+        elif decision.action == "cooldown":
+            log.info("restart wanted (%s): %s", decision.reason, decision.detail)
+        # Asked for (the timer, an admin), a restart is not the policy's to refuse; it still takes its turn.
+        if decision.action == "restart":
+            action = self._take_turn(decision.reason, decision.detail, now, seen, read_peers)
+        elif self.requested is not None:
+            seen.reason = self.requested.reason
+            action = self._take_turn(self.requested.reason, "asked for", now, seen, read_peers)
+        else:
+            if self.in_turn:
+                log.info("restart no longer wanted (%s): serving again", decision.action)
+                self._serve_again()
+            action = Action(decision.action, decision.reason or None, decision.detail)
+        seen.action = action.kind
+        self.metrics.restart_pending.set(1 if action.kind in PENDING else 0)
+        return action
+
+    def _take_turn(
+        self,
+        reason: str,
+        detail: str,
+        now: float,
+        seen: Observation,
+        read_peers: Callable[[Mapping[str, str]], list[Peer]],
+    ) -> Action:
+        """The restart once it is this host's turn in the fleet (always, alone): claim, drain, restart."""
+        self.in_turn = True
+        fleet = self.fleet
+        # A server that does not answer (hung, gone) is out of the rotation already: no turn to wait for.
+        if fleet is None or not fleet.peers or not seen.up:
+            return self._drain(reason, detail, now, seen.busy)
+        peers = read_peers(fleet.peers)
+        self.metrics.peers_ready.set(sum(1 for p in peers if p.ready))
+        if reason == "decay" and self._fleet_decays(peers):
+            return Action("held", reason)
+        verdict = restart_turn(fleet.host, fleet.min_ready, fleet.settle_seconds, peers, self.claimed, self.draining)
+        if verdict.turn in ("wait", "yield"):
+            if verdict.turn == "yield":
+                log.warning("restart (%s): stopping the drain, serving again: %s", reason, verdict.detail)
+            self._serve_again(still_wanted=True)
+            self._say(f"restart wanted ({reason}), not this host's turn yet: {verdict.detail}")
+            return Action("wait", reason, verdict.detail)
+        if verdict.turn == "claim":
+            self.claimed = True
+            self.readiness.restart_wanted(reason, claim=True)
+            self._say(f"restart wanted ({reason}): claiming the turn ({verdict.detail})")
+            return Action("claim", reason, verdict.detail)
+        if verdict.turn == "hold":
+            self._say(f"restart ({reason}) draining, not restarting yet: {verdict.detail}")
+            return Action("drain", reason, verdict.detail)
+        return self._drain(reason, detail, now, seen.busy)
+
+    def _fleet_decays(self, peers: list[Peer]) -> bool:
+        """Most of the fleet decaying at once is the fleet's cause (a driver, CUDA, a library), not this host's:
+        restarting every host would cure nothing. Hold, and let the alert call a human."""
+        decaying = 1 + sum(1 for p in peers if p.wants == "decay")
+        held = decaying > (len(peers) + 1) / 2
+        self.metrics.fleet_decay.set(1 if held else 0)
+        if held:
+            self._serve_again()
+            self._say(
+                f"decay on {decaying} of {len(peers) + 1} hosts of the fleet at once: not restarting (a restart "
+                "cures one host's fragmentation, not a fleet-wide cause such as a driver or CUDA change)",
+                level=logging.ERROR,
+            )
+        return held
+
+    def _drain(self, reason: str, detail: str, now: float, busy: bool) -> Action:
+        """Busy or not, a restart drains first: waiting for idle while still taking new requests would wait for
+        ever behind a balancer. The drain waits for the requests in flight, idle_timeout at the latest."""
+        if not self.drain.active:
+            log.warning(
+                "restart wanted (%s): draining first (%d s, then requests in flight)", reason, self.drain.drain_seconds
+            )
+        self.draining = True
+        step = self.drain.step(now, busy)
+        if step != "restart":
+            return Action(step, reason)
+        waited = now - (self.drain.started or now)
+        return Action(
+            "restart", reason, detail if not busy else f"still busy {waited:.0f} s into the drain (idle_timeout)"
+        )
+
+    def _serve_again(self, still_wanted: bool = False) -> None:
+        self.drain.cancel()
+        self.claimed = False
+        self.in_turn = still_wanted
+        self.draining = False
+
+    def _say(self, message: str, level: int = logging.INFO) -> None:
+        """Log a turn's state once, not every poll of it."""
+        if message != self.said:
+            log.log(level, message)
+            self.said = message
+
+    def restarted(self, now: float) -> None:
+        """The restart happened: the turn is over, and whatever its reason, it is the one a request asked for
+        (gone before the restart may stop the daemon)."""
+        self.drain.cancel()
+        self.draining = self.claimed = self.in_turn = False
+        self.said = ""
+        self.readiness.restart_wanted(None, claim=False)
+        if self.requested is not None:
+            self.requests.done()
+            self.requested = None
+        self.policy.restarted(now)

@@ -1,0 +1,154 @@
+"""The daemon's parts on their own: the probe's reading, the readiness function, the restart turn's steps.
+
+The whole daemon is driven in test_daemon_logic.py; these pin each part's contract, with the same fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from test_daemon_logic import INTERVAL, FakeApi, FakeClock, FakeControl, make_spec
+
+from appliance.health.exporter import Metrics, Readiness
+from appliance.health.peers import Peer
+from appliance.health.probe import CANARY_PROMPT, MIN_RATE_TOKENS, WARMUP_PROMPT, ServerProbe
+from appliance.health.requests import RestartRequests
+from appliance.health.turn import RestartTurn, ready_reason
+from appliance.health.watch import Observation
+from appliance.runtime.server_api import ServerUnreachable
+
+
+def probe_of(api: FakeApi, clock: FakeClock) -> ServerProbe:
+    return ServerProbe(api, FakeControl(api), Metrics(CollectorRegistry()), clock, timeout=60)  # type: ignore[arg-type]
+
+
+# -- the probe --
+
+
+def test_the_probe_reads_a_window_of_traffic_after_one_warm_up() -> None:
+    api, clock = FakeApi(), FakeClock()
+    probe = probe_of(api, clock)
+    first = probe.read(warm_up=True, canary_after=0)
+    assert first.up and first.window is None  # the first counters start the first window
+    assert [c[0] for c in api.completions] == [WARMUP_PROMPT] and probe.warm
+    api.decode(100.0, tokens=1000)
+    api.slot_list = [{"n_prompt_tokens": 700, "next_token": [{"n_decoded": 300}]}]
+    clock.advance()
+    second = probe.read(warm_up=True, canary_after=0)
+    assert second.window is not None and second.window.decode_tps == pytest.approx(100.0)
+    assert second.rated and second.context_tokens == 1000
+    assert len(api.completions) == 1  # warmed up once
+
+
+def test_a_few_tokens_are_not_a_rate_and_a_hung_health_check_is_told_from_a_refusal() -> None:
+    api, clock = FakeApi(), FakeClock()
+    probe = probe_of(api, clock)
+    probe.read(warm_up=False, canary_after=0)
+    api.decode(1e6, tokens=MIN_RATE_TOKENS - 1)
+    few = probe.read(warm_up=False, canary_after=0)
+    assert few.window is not None and not few.rated and few.context_tokens is None
+    api.health_error = ServerUnreachable("GET /health: timed out")
+    assert probe.read(warm_up=False, canary_after=0).hung
+    api.health_error = ServerUnreachable("GET /health: connection refused")
+    refused = probe.read(warm_up=False, canary_after=0)
+    assert not refused.hung and not refused.up and refused.status is None
+
+
+def test_the_canary_runs_only_on_an_idle_server_and_its_tokens_are_not_traffic() -> None:
+    api, clock = FakeApi(), FakeClock()
+    probe = probe_of(api, clock)
+    probe.read(warm_up=False, canary_after=60)
+    clock.advance(61)
+    api.processing = 1
+    assert probe.read(warm_up=False, canary_after=60).canary_tps is None  # busy: no canary
+    api.processing = 0
+    idle = probe.read(warm_up=False, canary_after=60)
+    assert idle.canary_tps == api.canary_tps and [c[0] for c in api.completions] == [CANARY_PROMPT]
+    clock.advance(INTERVAL)
+    after = probe.read(warm_up=False, canary_after=60)
+    assert after.window is not None and after.window.tokens == 0  # the next window starts after the canary
+    assert after.canary_tps is None  # generated 30 s ago: not idle for 60 yet
+
+
+# -- readiness --
+
+
+@pytest.mark.parametrize(
+    ("status", "warm", "draining", "restarting", "expected"),
+    [
+        (200, True, False, False, None),
+        (200, False, False, False, "warming"),
+        (200, True, True, False, "draining"),
+        (503, False, False, False, "loading"),
+        (None, False, False, False, "down"),
+        (None, False, True, False, "draining"),
+        (200, True, False, True, "restarting"),
+    ],
+)
+def test_ready_reason(status: int | None, warm: bool, draining: bool, restarting: bool, expected: str | None) -> None:
+    seen = Observation(up=status == 200, health_status=status)
+    assert ready_reason(seen, warm, draining, restarting) == expected
+
+
+# -- the restart turn --
+
+
+class Peers:
+    def __init__(self, *peers: Peer) -> None:
+        self.peers = list(peers)
+        self.reads = 0
+
+    def __call__(self, urls: Mapping[str, str]) -> list[Peer]:
+        self.reads += 1
+        return self.peers
+
+
+def turn_of(tmp_path: Path, **sections: object) -> RestartTurn:
+    spec = make_spec(tmp_path, **sections)
+    metrics = Metrics(CollectorRegistry())
+    return RestartTurn(spec, RestartRequests(tmp_path), metrics, Readiness(metrics))
+
+
+def test_alone_a_wanted_restart_drains_for_the_requests_in_flight_then_restarts(tmp_path: Path) -> None:
+    turn = turn_of(tmp_path)
+    idle_timeout = turn.drain.idle_timeout_seconds
+    peers = Peers()
+    assert turn.step(0, Observation(up=True), peers).kind == "none"
+    busy = Observation(up=True, busy=True, reason="decay")
+    assert turn.step(10, busy, peers).kind == "wait" and turn.draining
+    assert turn.step(10 + idle_timeout - 1, busy, peers).kind == "wait"
+    action = turn.step(10 + idle_timeout, busy, peers)
+    assert (action.kind, action.reason) == ("restart", "decay") and "still busy" in action.detail
+    assert peers.reads == 0  # alone, no peers to read
+    turn.restarted(10 + idle_timeout)
+    assert not turn.draining and turn.policy.history == [10 + idle_timeout]
+    cooldown = turn.step(20 + idle_timeout, Observation(up=True, reason="decay"), peers)
+    assert cooldown.kind == "cooldown"
+
+
+def test_in_a_fleet_the_turn_claims_first_and_waits_while_too_few_peers_serve(tmp_path: Path) -> None:
+    fleet = {"host": "b", "peers": {"a": "http://a/ready", "c": "http://c/ready"}, "min_ready": 1, "drain_seconds": 10}
+    turn = turn_of(tmp_path, fleet=fleet)
+    serving = Peer("a", True, ready_seconds=1e6)
+    peers = Peers(serving, Peer("c", False, "down"))
+    wanted = Observation(up=True, reason="creep")
+    assert turn.step(0, wanted, peers).kind == "claim" and turn.claimed
+    peers.peers = [Peer("a", False, "restarting"), Peer("c", False, "down")]
+    assert turn.step(1, wanted, peers).kind == "wait" and not turn.claimed
+    peers.peers = [serving, Peer("c", False, "down")]
+    assert turn.step(2, wanted, peers).kind == "claim"
+    assert turn.step(3, wanted, peers).kind == "drain" and turn.draining
+    # No longer wanted: the drain ends and the host serves again.
+    assert turn.step(4, Observation(up=True), peers).kind == "none"
+    assert not turn.draining and not turn.in_turn
+
+
+def test_a_fleet_decaying_at_once_is_held(tmp_path: Path) -> None:
+    fleet = {"host": "b", "peers": {"a": "http://a/ready", "c": "http://c/ready"}, "min_ready": 1}
+    turn = turn_of(tmp_path, fleet=fleet)
+    peers = Peers(Peer("a", True, ready_seconds=1e6, wants="decay"), Peer("c", True, ready_seconds=1e6))
+    assert turn.step(0, Observation(up=True, reason="decay"), peers).kind == "held"
+    assert turn.metrics.fleet_decay._value.get() == 1  # type: ignore[attr-defined]
