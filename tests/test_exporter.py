@@ -98,13 +98,11 @@ def test_probe_error_counters_exist_at_zero(probe: str) -> None:
 
 def test_every_reason_and_probe_the_code_uses_is_created_at_start() -> None:
     # An alert on increase(...[6h]) needs its series before the first increment.
-    code = "\n".join(
-        (REPO / path).read_text()
-        for path in ("appliance/health/daemon.py", "appliance/health/service.py", "appliance/cli/parser.py")
-    )
+    sources = [*(REPO / "appliance/health").glob("*.py"), REPO / "appliance/cli/parser.py"]
+    code = "\n".join(path.read_text() for path in sources)
     probes = set(re.findall(r'probe_errors\.labels\("(\w+)"\)', code))
     assert probes and probes <= set(PROBES), probes - set(PROBES)
-    reasons = set(re.findall(r'seen\.reason or "(\w+)"', code))
+    reasons = set(re.findall(r'seen\.want\("(\w+)"\)', code))
     for choices in re.findall(r'"--reason".*choices=\[([^\]]*)\]', code):  # what the timer and an admin pass
         reasons |= set(re.findall(r'"(\w+)"', choices))
     assert {"scheduled", "manual"} <= reasons
