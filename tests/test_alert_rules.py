@@ -261,6 +261,9 @@ def cases() -> list[Case]:
         ),
     ]
 
+    # -- a shared box: the daemon's verdict held for its `for:` --
+    found += _flag("LlmApplianceBoxShared", "llm_appliance_contended")
+
     # -- versions --
     found += _flag("LlmApplianceVersionMismatch", "llm_appliance_version_mismatch")
     found += _flag("LlmApplianceVersionDrift", "llm_appliance_version_drift")

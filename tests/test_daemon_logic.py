@@ -16,6 +16,7 @@ import pytest
 from conftest import appliance_of
 from prometheus_client import CollectorRegistry
 
+from appliance.facts.contention import Contention
 from appliance.facts.gpu import MISMATCH_FIX, GpuMemory, GpuProcess, NvmlUnavailable
 from appliance.health.daemon import CANARY_PROMPT, WARMUP_PROMPT, DaemonConfig, HealthDaemon, Observation
 from appliance.health.exporter import Metrics
@@ -55,6 +56,7 @@ class FakeNvml:
         self.driver = "550.54.14"
         self.cuda = "12.4"
         self.xids = 0
+        self.utilization: dict[int, float] = {}  # GPU 0's SM share by pid
         self.failure: NvmlUnavailable | None = None
         self.others: list[GpuMemory] = []  # more GPUs, not the server's
         self.watts = 300.0  # GPU 0's draw: its energy counter grows by this much each second of the clock
@@ -85,6 +87,10 @@ class FakeNvml:
         mine = [GpuProcess(os.getpid(), self.server_bytes)] if self.server_bytes else []
         return [*mine, GpuProcess(2**22 + 17, self.other_used)]
 
+    def process_utilization(self, index: int) -> dict[int, float]:
+        self._maybe_fail()
+        return dict(self.utilization) if index == 0 else {}
+
     def xid_errors(self, index: int) -> int:
         self._maybe_fail()
         return self.xids
@@ -96,6 +102,18 @@ class FakeNvml:
     def power_milliwatts(self, index: int) -> int:
         self._maybe_fail()
         return int(self.watts * 1000)
+
+
+class FakeCpu:
+    """appliance.health.probe.CpuProbe's reading, scripted: what else used the machine (None: unreadable)."""
+
+    def __init__(self) -> None:
+        self.contention: Contention | None = None
+        self.ours: set[int] = set()
+
+    def read(self, ours: set[int]) -> Contention | None:
+        self.ours = ours
+        return self.contention
 
 
 class FakeControl:
@@ -190,6 +208,7 @@ class Rig:
         self.api = FakeApi()
         self.nvml = FakeNvml()
         self.control = FakeControl(self.api)
+        self.cpu = FakeCpu()
         self.daemon = self.new_daemon()
 
     def new_daemon(self) -> HealthDaemon:
@@ -197,7 +216,15 @@ class Rig:
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)
         config = DaemonConfig(appliance_of(self.spec, state_file=self.state_file), engine_dir=self.tmp_path)
-        self.daemon = HealthDaemon(config, self.control, self.nvml, self.metrics, api=self.api, clock=self.clock)  # type: ignore[arg-type]
+        self.daemon = HealthDaemon(
+            config,
+            self.control,
+            self.nvml,
+            self.metrics,
+            api=self.api,  # type: ignore[arg-type]
+            clock=self.clock,
+            cpu=self.cpu,  # type: ignore[arg-type]
+        )
         return self.daemon
 
     def check(self, rate: float | None = RATE, **decode: float) -> Observation:

@@ -5,6 +5,10 @@ The whole daemon is driven in test_daemon_logic.py; these pin each part's contra
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -12,9 +16,17 @@ import pytest
 from prometheus_client import CollectorRegistry
 from test_daemon_logic import INTERVAL, FakeApi, FakeClock, FakeControl, make_spec
 
+from appliance.facts.contention import CpuUse, contention
 from appliance.health.exporter import Metrics, Readiness
 from appliance.health.peers import Peer
-from appliance.health.probe import CANARY_PROMPT, MIN_RATE_TOKENS, WARMUP_PROMPT, ServerProbe
+from appliance.health.probe import (
+    CANARY_PROMPT,
+    CANARY_TOKENS,
+    MIN_RATE_TOKENS,
+    WARMUP_PROMPT,
+    ServerProbe,
+    canary_timeout,
+)
 from appliance.health.requests import RestartRequests
 from appliance.health.turn import RestartTurn, ready_reason
 from appliance.health.watch import Observation
@@ -31,13 +43,13 @@ def probe_of(api: FakeApi, clock: FakeClock) -> ServerProbe:
 def test_the_probe_reads_a_window_of_traffic_after_one_warm_up() -> None:
     api, clock = FakeApi(), FakeClock()
     probe = probe_of(api, clock)
-    first = probe.read(warm_up=True, canary_after=0)
+    first = probe.read(warm_up=True, canary_after=0, canary_timeout=5)
     assert first.up and first.window is None  # the first counters start the first window
     assert [c[0] for c in api.completions] == [WARMUP_PROMPT] and probe.warm
     api.decode(100.0, tokens=1000)
     api.slot_list = [{"n_prompt_tokens": 700, "next_token": [{"n_decoded": 300}]}]
     clock.advance()
-    second = probe.read(warm_up=True, canary_after=0)
+    second = probe.read(warm_up=True, canary_after=0, canary_timeout=5)
     assert second.window is not None and second.window.decode_tps == pytest.approx(100.0)
     assert second.rated and second.context_tokens == 1000
     assert len(api.completions) == 1  # warmed up once
@@ -46,29 +58,29 @@ def test_the_probe_reads_a_window_of_traffic_after_one_warm_up() -> None:
 def test_a_few_tokens_are_not_a_rate_and_a_hung_health_check_is_told_from_a_refusal() -> None:
     api, clock = FakeApi(), FakeClock()
     probe = probe_of(api, clock)
-    probe.read(warm_up=False, canary_after=0)
+    probe.read(warm_up=False, canary_after=0, canary_timeout=5)
     api.decode(1e6, tokens=MIN_RATE_TOKENS - 1)
-    few = probe.read(warm_up=False, canary_after=0)
+    few = probe.read(warm_up=False, canary_after=0, canary_timeout=5)
     assert few.window is not None and not few.rated and few.context_tokens is None
     api.health_error = ServerUnreachable("GET /health: timed out")
-    assert probe.read(warm_up=False, canary_after=0).hung
+    assert probe.read(warm_up=False, canary_after=0, canary_timeout=5).hung
     api.health_error = ServerUnreachable("GET /health: connection refused")
-    refused = probe.read(warm_up=False, canary_after=0)
+    refused = probe.read(warm_up=False, canary_after=0, canary_timeout=5)
     assert not refused.hung and not refused.up and refused.status is None
 
 
 def test_the_canary_runs_only_on_an_idle_server_and_its_tokens_are_not_traffic() -> None:
     api, clock = FakeApi(), FakeClock()
     probe = probe_of(api, clock)
-    probe.read(warm_up=False, canary_after=60)
+    probe.read(warm_up=False, canary_after=60, canary_timeout=5)
     clock.advance(61)
     api.processing = 1
-    assert probe.read(warm_up=False, canary_after=60).canary_tps is None  # busy: no canary
+    assert probe.read(warm_up=False, canary_after=60, canary_timeout=5).canary_tps is None  # busy: no canary
     api.processing = 0
-    idle = probe.read(warm_up=False, canary_after=60)
+    idle = probe.read(warm_up=False, canary_after=60, canary_timeout=5)
     assert idle.canary_tps == api.canary_tps and [c[0] for c in api.completions] == [CANARY_PROMPT]
     clock.advance(INTERVAL)
-    after = probe.read(warm_up=False, canary_after=60)
+    after = probe.read(warm_up=False, canary_after=60, canary_timeout=5)
     assert after.window is not None and after.window.tokens == 0  # the next window starts after the canary
     assert after.canary_tps is None  # generated 30 s ago: not idle for 60 yet
 
@@ -152,3 +164,67 @@ def test_a_fleet_decaying_at_once_is_held(tmp_path: Path) -> None:
     peers = Peers(Peer("a", True, ready_seconds=1e6, wants="decay"), Peer("c", True, ready_seconds=1e6))
     assert turn.step(0, Observation(up=True, reason="decay"), peers).kind == "held"
     assert turn.metrics.fleet_decay._value.get() == 1  # type: ignore[attr-defined]
+
+
+# -- the canary's timeout --
+
+
+def test_the_canary_may_take_as_long_as_a_quarter_of_a_decayed_rate_within_the_interval(tmp_path: Path) -> None:
+    health = make_spec(tmp_path).health  # interval 30, probe timeout 5, decay_ratio 0.8
+    assert canary_timeout(health, None) == 0.8 * health.interval_seconds  # no baseline: the check's share
+    slowest = 53 * health.decay_ratio / 4
+    assert canary_timeout(health, 53) == pytest.approx(health.probe_timeout_seconds + CANARY_TOKENS / slowest)
+    assert canary_timeout(health, 1) == 0.8 * health.interval_seconds  # capped: a check ends before the next
+
+
+# -- what else used the machine --
+
+
+def cpu_use(
+    total: float, busy: float, processes: dict[int, tuple[str, float]], **threads: tuple[float, float]
+) -> CpuUse:
+    return CpuUse(total, busy, processes, {int(tid.removeprefix("t")): v for tid, v in threads.items()})
+
+
+def test_contention_is_the_others_share_of_all_cpus_with_the_top_consumer_and_our_wait() -> None:
+    # 2 CPUs for 10 s: 20 CPU-seconds. The server (pid 10) used 6, a hog (pid 20) 9, a shell (pid 30) 1.
+    before = cpu_use(100, 50, {10: ("llama-server", 5), 20: ("stress", 1), 30: ("bash", 2)}, t10=(5, 1), t11=(3, 0))
+    after = cpu_use(120, 66, {10: ("llama-server", 11), 20: ("stress", 10), 30: ("bash", 3)}, t10=(8, 4), t11=(6, 3))
+    found = contention(before, after, {10})
+    assert found is not None
+    assert found.share == pytest.approx(10 / 20)
+    assert (found.top, found.top_share) == ("stress[20] 45%", pytest.approx(9 / 20))
+    assert found.waited == pytest.approx(6 / 12)  # runnable 12 s: ran 6, waited 6
+    assert "50% of the CPUs" in found.describe() and "stress[20]" in found.describe()
+    assert contention(None, after, {10}) is None and contention(after, after, {10}) is None
+
+
+def test_a_process_that_started_in_between_counts_with_all_its_time() -> None:
+    before = cpu_use(100, 10, {10: ("llama-server", 5)})
+    after = cpu_use(120, 25, {10: ("llama-server", 10), 40: ("cc1plus", 9)})
+    found = contention(before, after, {10})
+    assert found is not None and found.top == "cc1plus[40] 45%" and found.waited is None
+
+
+def test_the_real_proc_sees_a_busy_child_as_another_process() -> None:
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        before = CpuUse.read({os.getpid()})
+        deadline = time.monotonic() + 60
+        while True:  # until the hog has used a CPU-second: the event, not a guess of how long that takes
+            after = CpuUse.read({os.getpid()})
+            assert before is not None and after is not None
+            if after.processes.get(hog.pid, ("", 0.0))[1] - before.processes.get(hog.pid, ("", 0.0))[1] >= 1:
+                break
+            assert time.monotonic() < deadline, "the hog never ran"
+            time.sleep(0.2)
+        found = contention(before, after, {os.getpid()})
+        hog_share = (after.processes[hog.pid][1] - before.processes.get(hog.pid, ("", 0.0))[1]) / (
+            after.total - before.total
+        )
+        # The hog is another's (other work on this machine may be busier still: the top is not asserted).
+        assert found is not None and found.share >= hog_share * 0.9 > 0
+        assert any(tid == os.getpid() for tid in after.threads)  # our own threads' schedstat was read
+    finally:
+        hog.kill()
+        hog.wait()

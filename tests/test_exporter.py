@@ -29,6 +29,8 @@ UNITS = {
     "tokens",
     "requests",
     "windows",
+    "samples",
+    "runs",
     "restarts",
     "errors",
     "failed probes",
@@ -118,6 +120,7 @@ def test_only_labelled_series_without_children_are_empty() -> None:
         f"{PREFIX}_decode_decay_breaches",
         f"{PREFIX}_decode_no_speculation_tokens_per_second",  # a bucket at a time, from the baseline file
         f"{PREFIX}_speculation_speedup",
+        f"{PREFIX}_contention_share",  # by resource, from the first check that reads it
         f"{PREFIX}_gpu_memory_total_bytes",
         f"{PREFIX}_gpu_memory_used_bytes",
         f"{PREFIX}_gpu_memory_free_bytes",
@@ -142,7 +145,7 @@ def test_counters_end_in_total_and_nothing_else_does() -> None:
             assert name.endswith("_total") and not name.endswith("_total_total"), name
         else:
             assert not name.endswith("_total"), f"{name} is a {kind} named like a counter"
-    assert len([k for k in found.values() if k == "counter"]) == 6
+    assert len([k for k in found.values() if k == "counter"]) == 8
 
 
 def test_units_are_base_units_in_the_name() -> None:

@@ -29,13 +29,14 @@ from appliance.spec.load import load_spec
 pytestmark = pytest.mark.engine
 
 
-def fast_demo(example: Callable[..., Path], server_port: int, exporter_port: int) -> Path:
+def fast_demo(example: Callable[..., Path], server_port: int, exporter_port: int, health: str = "") -> Path:
     return example(
         "demo-draft.toml",
         {
             "port = 8080": f"port = {server_port}",
             "port = 9478": f"port = {exporter_port}",
-            "interval_seconds = 10": "interval_seconds = 1\nconsecutive = 2\nbaseline_windows = 3\ndecay_ratio = 0.7",
+            "interval_seconds = 10": health
+            + "interval_seconds = 1\nconsecutive = 2\nbaseline_windows = 3\ndecay_ratio = 0.7",
             "canary_after_idle_seconds = 60": "canary_after_idle_seconds = 0",
             "cooldown_seconds = 120": "cooldown_seconds = 0\nidle_timeout_seconds = 3",
         },

@@ -49,6 +49,7 @@ class Nvml(Protocol):
     def driver_version(self) -> str: ...
     def cuda_version(self) -> str: ...
     def processes(self, index: int) -> list[GpuProcess]: ...
+    def process_utilization(self, index: int) -> dict[int, float]: ...
     def xid_errors(self, index: int) -> int: ...
     def energy_millijoules(self, index: int) -> int | None: ...
     def power_milliwatts(self, index: int) -> int: ...
@@ -60,6 +61,7 @@ class Pynvml:
     def __init__(self) -> None:
         self._lib: Any = None
         self._xids: dict[int, int] = {}
+        self._utilization_seen: dict[int, int] = {}  # the newest sample's timestamp (µs) read, by GPU index
         self._events: Any = None
 
     def _nvml(self) -> Any:
@@ -130,6 +132,23 @@ class Pynvml:
         handle = self._call(nvml, nvml.nvmlDeviceGetHandleByIndex, index)
         running = self._call(nvml, nvml.nvmlDeviceGetComputeRunningProcesses, handle)
         return [GpuProcess(int(p.pid), int(p.usedGpuMemory or 0)) for p in running]
+
+    def process_utilization(self, index: int) -> dict[int, float]:
+        """Each process's share of the GPU's SM time (0..1) over the samples NVML took since the last call: the
+        driver keeps a few seconds of samples, so a call per check sees the recent use, not the whole interval."""
+        nvml = self._nvml()
+        handle = self._call(nvml, nvml.nvmlDeviceGetHandleByIndex, index)
+        try:
+            samples = nvml.nvmlDeviceGetProcessUtilization(handle, self._utilization_seen.get(index, 0))
+        except nvml.NVMLError as exc:
+            if getattr(exc, "value", None) == getattr(nvml, "NVML_ERROR_NOT_FOUND", 6):
+                return {}  # no process ran on it since the last call
+            raise self._unavailable(nvml, exc) from None
+        by_pid: dict[int, list[int]] = {}
+        for sample in samples:
+            by_pid.setdefault(int(sample.pid), []).append(int(sample.smUtil))
+            self._utilization_seen[index] = max(self._utilization_seen.get(index, 0), int(sample.timeStamp))
+        return {pid: sum(values) / len(values) / 100 for pid, values in by_pid.items()}
 
     def xid_errors(self, index: int) -> int:
         """Critical XID errors seen on this GPU since the first call: NVML delivers them as events,

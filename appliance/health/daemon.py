@@ -5,7 +5,8 @@ It never restarts the server because its own probe failed: a probe error is coun
 only a server that is seen to be slow, swollen, hung or off the GPU is restarted.
 
 This module is the loop and the wiring. Its parts, each tested on its own:
-- probe.py reads (ServerProbe: /health, warm-up, /metrics as a window, /slots, the canary; read_gpus: NVML),
+- probe.py reads (ServerProbe: /health, warm-up, /metrics as a window, /slots, the canary; read_gpus: NVML;
+  CpuProbe: what else used the CPUs),
 - watch.py judges (Watch: the detectors' state, the metrics, an Observation with the reason wanted),
 - turn.py restarts in turn (RestartTurn: the policy, the fleet's turn, the drain; ready_reason: /ready).
 """
@@ -22,9 +23,18 @@ from pathlib import Path
 from appliance.facts.energy import EnergyMeter, meters_for
 from appliance.facts.gpu import Nvml
 from appliance.health import versions
+from appliance.health.detectors import CANARY_BUCKET
 from appliance.health.exporter import Metrics, Readiness
 from appliance.health.peers import PeerReader, reader
-from appliance.health.probe import CANARY_PROMPT, WARMUP_PROMPT, ServerProbe, read_gpus
+from appliance.health.probe import (
+    CANARY_PROMPT,
+    WARMUP_PROMPT,
+    CpuProbe,
+    ServerProbe,
+    canary_timeout,
+    own_processes,
+    read_gpus,
+)
 from appliance.health.requests import RestartRequests
 from appliance.health.state import RestartLog
 from appliance.health.turn import RestartTurn, ready_reason
@@ -70,6 +80,7 @@ class HealthDaemon:
         readiness: Readiness | None = None,
         peers: PeerReader | None = None,
         energy: Sequence[EnergyMeter] | None = None,
+        cpu: CpuProbe | None = None,
     ) -> None:
         appliance, health = config.appliance, config.spec.health
         self.config, self.control, self.nvml, self.clock = config, control, nvml, clock
@@ -81,6 +92,7 @@ class HealthDaemon:
         timeout = min(health.probe_timeout_seconds, 0.8 * health.interval_seconds)
         self.api = api or ServerApi(appliance.server.url, read_api_key(appliance.api_key_file), timeout=timeout)
         self.probe = ServerProbe(self.api, control, self.metrics, clock, timeout=health.probe_timeout_seconds)
+        self.cpu = cpu or CpuProbe()
         meters = meters_for(appliance.server_devices, nvml) if energy is None else energy
         self.watch = Watch(appliance, self.metrics, list(meters))
         self.turn = RestartTurn(config.spec, self.requests, self.metrics, self.readiness)
@@ -108,13 +120,18 @@ class HealthDaemon:
         seen = Observation()
         try:
             self.watch.energy.read()  # every check, the server up or not: the counter counts what the machine draws
-            canary_after = self.config.spec.health.canary_after_idle_seconds
-            self.watch.server(self.probe.read(warm_up=not self.turn.draining, canary_after=canary_after), seen)
-            server_pid = self.probe.main_pid if self.config.appliance.on_gpu else None
-            self.watch.gpus(read_gpus(self.nvml, server_pid, self.metrics), seen)
+            health, appliance = self.config.spec.health, self.config.appliance
+            timeout = canary_timeout(health, self.watch.decay.baselines.get(CANARY_BUCKET))
+            server = self.probe.read(not self.turn.draining, health.canary_after_idle_seconds, timeout)
+            # What else used the machine since the last check: the samples just read were taken meanwhile.
+            ours = own_processes(self.probe.main_pid())
+            gpus = read_gpus(self.nvml, ours if appliance.on_gpu else None, appliance.server_devices, self.metrics)
+            now = self.clock()
+            self.watch.contention(self.cpu.read(ours), gpus.others_share, now, seen)
+            self.watch.server(server, seen)
+            self.watch.gpus(gpus, seen)
             self.watch.versions(versions.detect(self.nvml, self.config.engine_dir), seen)
             self.watch.verdict(seen)
-            now = self.clock()
             action = self.turn.step(now, seen, self.read_peers)
             if action.kind == "restart":
                 self.restart(action.reason or "unknown", action.detail, now)

@@ -22,6 +22,7 @@ from prometheus_client.registry import RestrictedRegistry
 
 PREFIX = "llm_appliance"
 RESTART_REASONS = ("decay", "creep", "headroom", "hang", "not_on_gpu", "scheduled", "manual")
+CANARY_OUTCOMES = ("ok", "slow", "failed")  # slow: below decay_ratio x its baseline
 PROBES = ("health", "metrics", "slots", "nvml", "canary", "unit", "check")  # "check": an unexpected error
 
 
@@ -104,6 +105,21 @@ class Metrics:
             "Median decode rate of recent windows over the same bucket's rate without speculation (ratio)",
             ("bucket",),
         )
+        self.contention = gauge(
+            "contention_share",
+            "Share of the resource other processes used during the last check's samples: cpu all CPUs, gpu the "
+            "server's GPUs' SM time (ratio)",
+            ("resource",),
+        )
+        self.contended = gauge(
+            "contended", "Whether the last check's samples were contended, so not counted toward decay (1/0)"
+        )
+        self.contended_samples = counter(
+            "decode_contended_samples", "Decode samples not counted toward decay: taken under contention (samples)"
+        )
+        self.canaries = counter(
+            "canary_runs", "Idle canary completions, by outcome: ok, slow, failed (runs)", ("outcome",)
+        )
         self.drafted = counter(
             "speculation_drafted_tokens", "Draft tokens proposed, as counted by llama-server (tokens)"
         )
@@ -163,6 +179,8 @@ class Metrics:
             self.restarts.labels(reason)
         for probe in PROBES:
             self.probe_errors.labels(probe)
+        for outcome in CANARY_OUTCOMES:
+            self.canaries.labels(outcome)
 
 
 # Why /ready answers 503; "loading" until the first check has seen the server (a fresh daemon knows nothing).

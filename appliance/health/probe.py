@@ -10,14 +10,17 @@ A probe that fails is counted in `probe_errors` and read as nothing, never as a 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from appliance.facts.contention import Contention, CpuUse, contention
 from appliance.facts.gpu import GpuMemory, Nvml, NvmlUnavailable
 from appliance.health.detectors import CounterSample, Window, window
 from appliance.health.exporter import Metrics
 from appliance.health.units import ServerControl, UnitError, descendants
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
+from appliance.spec.model import Health
 
 log = logging.getLogger("llm-appliance.health")
 CANARY_PROMPT = "def fibonacci(n):\n    "
@@ -66,6 +69,7 @@ class GpuReading:
     error: str = ""
     xid_errors: dict[int, int] = field(default_factory=dict)  # by GPU index, since the driver loaded
     server_vram: int | None = None  # bytes the server's processes hold on all GPUs; None: not read
+    others_share: float | None = None  # other processes' share of the SM time of the server's busiest GPU
 
 
 class ServerProbe:
@@ -80,7 +84,7 @@ class ServerProbe:
         # One warm-up completion after every (re)start of the server before /ready says 200.
         self.warm = False
 
-    def read(self, warm_up: bool, canary_after: float) -> Reading:
+    def read(self, warm_up: bool, canary_after: float, canary_timeout: float) -> Reading:
         """/health, the warm-up when wanted, /metrics and its window, the slots' context, then the canary when
         the server has generated nothing for canary_after seconds (0: never)."""
         seen = Reading(unit_active=self.unit_active())
@@ -111,7 +115,7 @@ class ServerProbe:
             if seen.rated:
                 seen.context_tokens = self._context_tokens()
         if canary_after and now - self.last_tokens_at >= canary_after and not seen.busy:
-            seen.canary_tps = self._canary()
+            seen.canary_tps = self._canary(canary_timeout)
         return seen
 
     def after_restart(self, now: float) -> None:
@@ -163,13 +167,13 @@ class ServerProbe:
             self.last_context = max(sizes)
         return self.last_context
 
-    def _canary(self) -> float | None:
+    def _canary(self, timeout: float) -> float | None:
         """An idle box is still measured: a fixed prompt, greedy, a few tokens; None when it failed."""
         try:
             answer = self.api.completion(
                 CANARY_PROMPT,
                 CANARY_TOKENS,
-                timeout=self.api.timeout,
+                timeout=timeout,
                 temperature=0,
                 ignore_eos=True,
                 cache_prompt=False,
@@ -177,13 +181,25 @@ class ServerProbe:
             rate = float(answer["timings"]["predicted_per_second"])
             values = self.api.metrics()
         except (ServerUnreachable, KeyError, TypeError, ValueError) as exc:
-            log.warning("canary completion failed: %s", exc)
+            # No answer, not a slow one: the timeout allows the canary at a fraction of its baseline rate.
+            log.warning("canary completion failed (no rate measured, not a slow sample): %s", exc)
             self.metrics.probe_errors.labels("canary").inc()
+            self.metrics.canaries.labels("failed").inc()
             return None
         self.last_tokens_at = self.clock()
         # The canary's own tokens are not traffic: the next window starts after them.
         self.previous = counters(values)
         return rate
+
+
+def canary_timeout(health: Health, baseline_tps: float | None) -> float:
+    """How long the canary may take: at a quarter of the rate that counts as decay it still answers (a slow
+    sample, not a failure), within the check's share of the interval; that share while no baseline is known."""
+    ceiling = 0.8 * health.interval_seconds
+    if not baseline_tps:
+        return ceiling
+    slowest = baseline_tps * health.decay_ratio / 4
+    return min(ceiling, health.probe_timeout_seconds + CANARY_TOKENS / slowest)
 
 
 def counters(values: dict[str, float]) -> CounterSample:
@@ -195,9 +211,9 @@ def counters(values: dict[str, float]) -> CounterSample:
     )
 
 
-def read_gpus(nvml: Nvml, server_pid: Callable[[], int | None] | None, metrics: Metrics) -> GpuReading:
-    """Every GPU's memory and Xid count, and the memory the server's process tree holds (not read without
-    server_pid, as on a CPU spec, or while the unit has no main process)."""
+def read_gpus(nvml: Nvml, ours: set[int] | None, devices: tuple[str, ...], metrics: Metrics) -> GpuReading:
+    """Every GPU's memory and Xid count; with the server's process tree (`ours`, None on a CPU spec) the memory
+    it holds, and the share of the server's GPUs (`devices`) other processes kept busy."""
     try:
         gpus = nvml.gpus()
     except NvmlUnavailable as exc:
@@ -208,12 +224,38 @@ def read_gpus(nvml: Nvml, server_pid: Callable[[], int | None] | None, metrics: 
             seen.xid_errors[gpu.index] = nvml.xid_errors(gpu.index)
         except NvmlUnavailable:
             metrics.probe_errors.labels("nvml").inc()
-    pid = server_pid() if server_pid is not None else None
-    if pid is None:
+    if not ours:
         return seen
-    mine = descendants(pid)
     try:
-        seen.server_vram = sum(p.used_bytes for gpu in gpus for p in nvml.processes(gpu.index) if p.pid in mine)
+        seen.server_vram = sum(p.used_bytes for gpu in gpus for p in nvml.processes(gpu.index) if p.pid in ours)
+        # The busiest of the server's GPUs: one shared GPU slows a split model as a whole.
+        seen.others_share = max(
+            (
+                sum(share for pid, share in nvml.process_utilization(gpu.index).items() if pid not in ours)
+                for gpu in gpus
+                if gpu.device in devices
+            ),
+            default=0.0,
+        )
     except NvmlUnavailable:
         metrics.probe_errors.labels("nvml").inc()
     return seen
+
+
+class CpuProbe:
+    """What else used the CPUs since the last check, and whether it kept the appliance's threads waiting."""
+
+    def __init__(self, read: Callable[[Collection[int]], CpuUse | None] = CpuUse.read) -> None:
+        self.read_cpu = read
+        self.previous: CpuUse | None = None
+
+    def read(self, ours: set[int]) -> Contention | None:
+        current = self.read_cpu(ours)
+        found = contention(self.previous, current, ours)
+        self.previous = current
+        return found
+
+
+def own_processes(server_pid: int | None) -> set[int]:
+    """The appliance's processes: the server's tree and this daemon's (under `up`, one tree)."""
+    return descendants(os.getpid()) | (descendants(server_pid) if server_pid is not None else set())

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from appliance.facts.contention import Contention
 from appliance.facts.energy import EnergyMeter
 from appliance.health import versions
 from appliance.health.detectors import (
@@ -42,6 +43,7 @@ class Observation:
     baseline_tps: float | None = None
     acceptance: float | None = None
     creep: float | None = None
+    contended: str | None = None  # what else used the machine, when it was enough to discount this check's samples
     reason: str | None = None
     action: str = "none"
     notes: list[str] = field(default_factory=list)
@@ -58,6 +60,8 @@ class Observation:
             parts.append(f"acceptance {self.acceptance:.2f}")
         if self.creep is not None:
             parts.append(f"creep {100 * self.creep:.0f}%")
+        if self.contended is not None:
+            parts.append(f"contended: {self.contended}")
         if self.action not in ("none",):
             parts.append(f"restart {self.action} ({self.reason})")
         return ", ".join(parts + self.notes)
@@ -84,6 +88,8 @@ class Watch:
         # Restarting the server restarts this daemon (BindsTo=): the one not_on_gpu restart must hold across it.
         self.gpu_restart_done = False
         self.xids_seen: dict[int, int] = {}
+        self.contended_since: float | None = None
+        self.contended_samples = 0
 
     def load_baseline(self, path: Path) -> None:
         baseline = versions.Baseline.read(path)
@@ -103,13 +109,46 @@ class Watch:
         self.creep.after_restart()
         self.warmed_up, self.hung_checks, self.low_headroom_checks = False, 0, 0
 
+    # -- what else used the machine --
+
+    def contention(self, cpu: Contention | None, gpu_share: float | None, now: float, seen: Observation) -> None:
+        """Whether this check's samples were taken on a shared box: other processes used more than
+        contention_max_share of the CPUs and kept the server waiting for one as long, or of its GPUs. Logged
+        once per episode, with the top consumer; the samples meanwhile are counted, not judged."""
+        limit = self.appliance.spec.health.contention_max_share
+        if cpu is not None:
+            self.metrics.contention.labels("cpu").set(cpu.share)
+        if gpu_share is not None:
+            self.metrics.contention.labels("gpu").set(gpu_share)
+        cpu_contended = cpu is not None and cpu.share > limit and (cpu.waited or 0.0) > limit
+        gpu_contended = gpu_share is not None and gpu_share > limit
+        if cpu_contended and cpu is not None:
+            seen.contended = cpu.describe()
+        elif gpu_contended:
+            seen.contended = f"other processes used {gpu_share:.0%} of the server's GPU"
+        self.metrics.contended.set(1 if seen.contended else 0)
+        if seen.contended and self.contended_since is None:
+            self.contended_since, self.contended_samples = now, 0
+            log.warning(
+                "the box is shared: %s; decode samples are not counted toward decay while it lasts", seen.contended
+            )
+        elif not seen.contended and self.contended_since is not None:
+            log.info(
+                "contention over after %.0f s (%d decode samples not counted toward decay)",
+                now - self.contended_since,
+                self.contended_samples,
+            )
+            self.contended_since = None
+
     # -- the server --
 
     def server(self, reading: Reading, seen: Observation) -> None:
         seen.up, seen.busy, seen.health_status = reading.up, reading.busy, reading.status
         self.metrics.unit_active.set(1 if reading.unit_active else 0)
         self.metrics.server_up.set(1 if reading.up else 0)
-        self.hung_checks = self.hung_checks + 1 if reading.hung else 0
+        # A health check that timed out on a shared box may be the neighbour's doing: it counts for nothing.
+        if not (reading.hung and seen.contended):
+            self.hung_checks = self.hung_checks + 1 if reading.hung else 0
         w = reading.window
         if reading.counted:
             self.metrics.requests_processing.set(reading.processing)
@@ -134,10 +173,29 @@ class Watch:
         if reading.canary_tps is not None:
             self.energy.mark()
             self.warmed_up = True
+            self._judge_canary(reading.canary_tps, seen)
             if reading.canary_tps > 0:
                 self._record_rate(CANARY_BUCKET, reading.canary_tps, seen)
 
+    def _judge_canary(self, rate: float, seen: Observation) -> None:
+        """A slow canary is a sample (of decay, or of a shared box), told apart from one that failed."""
+        baseline = self.decay.baselines.get(CANARY_BUCKET)
+        slow = baseline is not None and rate < self.appliance.spec.health.decay_ratio * baseline
+        self.metrics.canaries.labels("slow" if slow else "ok").inc()
+        if slow:
+            log.info(
+                "canary slow: %.1f tok/s against a baseline of %.1f%s",
+                rate,
+                baseline,
+                f" ({seen.contended}: not counted)" if seen.contended else "",
+            )
+
     def _record_rate(self, bucket: str, rate: float, seen: Observation) -> None:
+        if seen.contended:
+            self.contended_samples += 1
+            self.metrics.contended_samples.inc()
+            seen.decode_tps, seen.baseline_tps = rate, self.decay.baselines.get(bucket)
+            return
         self.decay.add(bucket, rate)
         seen.decode_tps = self.decay.current(bucket) or rate
         seen.baseline_tps = self.decay.baselines.get(bucket)
@@ -229,7 +287,8 @@ class Watch:
     def verdict(self, seen: Observation) -> None:
         """The restarts wanted whatever this check's readings: verdicts are states, not events, and a wanted
         restart stays wanted across checks without new windows."""
-        if self.decay.breached():
+        # On a shared box a restart cures nothing: the neighbour is an operator's problem (LlmApplianceBoxShared).
+        if self.decay.breached() and not seen.contended:
             seen.want("decay")
         if self.hung_checks >= self.appliance.spec.health.consecutive:
             seen.want("hang")

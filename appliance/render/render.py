@@ -73,6 +73,7 @@ class View:
     min_free_mib: int
     acceptance_min: float
     speculation_min_speedup: float
+    contention_max_share: float
     draft_configured: bool  # a draft model is in use
     speculation: bool  # llama-server speculates (a draft, or n-gram types): the speculation alerts apply
     max_per_hour: int
@@ -147,6 +148,7 @@ def view(appliance: Appliance) -> View:
         min_free_mib=spec.health.min_free_mib,
         acceptance_min=spec.health.acceptance_min,
         speculation_min_speedup=spec.health.speculation_min_speedup,
+        contention_max_share=spec.health.contention_max_share,
         draft_configured=appliance.draft_in_use,
         speculation=appliance.speculation,
         max_per_hour=spec.restart.max_per_hour,
@@ -174,6 +176,7 @@ def selectors(appliance: Appliance, labels: tuple[str, ...]) -> dict[str, str]:
         "acceptance": of("llm_appliance_speculation_acceptance_ratio"),
         "drafted": of("llm_appliance_speculation_drafted_tokens_total"),
         "speculation_speedup": of("llm_appliance_speculation_speedup"),
+        "contended": of("llm_appliance_contended"),
         "version_mismatch": of("llm_appliance_version_mismatch"),
         "version_drift": of("llm_appliance_version_drift"),
         "restart_budget_exhausted": of("llm_appliance_restart_budget_exhausted"),

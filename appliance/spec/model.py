@@ -192,6 +192,9 @@ class Health(Strict):
     # below this, speculation costs more than it saves (LlmApplianceSpeculationNotPaying).
     speculation_min_speedup: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
     canary_after_idle_seconds: Annotated[int, Field(ge=0)] = 900
+    # A decode sample taken while other processes used more than this share of the CPUs (and kept the server
+    # waiting for one as long), or of the server's GPUs, is contended: it does not count toward decay. 1: never.
+    contention_max_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.2
     baseline_file: FilePath = paths.BASELINE
 
 
@@ -232,6 +235,7 @@ class AlertForSeconds(Strict):
     speculation_not_engaged: AlertFor = 900
     acceptance_low: AlertFor = 1800
     speculation_not_paying: AlertFor = 1800
+    box_shared: AlertFor = 1800
     version_mismatch: AlertFor = 60
     version_drift: AlertFor = 60
     restart_budget_exhausted: AlertFor = 60
