@@ -100,7 +100,7 @@ def test_status_with_nothing_running_is_down(example: Callable[..., Path], tmp_p
     why = "systemd is not PID 1 here" if not SYSTEMD_IS_INIT else "the units are not loaded"
     assert (
         f"  ! nothing runs the appliance: {why}, and no `llm-appliance up` runs with state directory {state} "
-        f"(`llm-appliance up /etc/llm-appliance/{spec.name}` starts one)"
+        f"(`llm-appliance up /etc/llm-appliance/{spec.name} --state-dir {state}` starts one)"
     ) in shown.stdout.splitlines(), shown.stdout
     assert "the health daemon's exporter does not answer" in shown.stdout
     assert "systemctl" not in shown.stdout + shown.stderr or SYSTEMD_IS_INIT

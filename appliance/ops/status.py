@@ -184,9 +184,10 @@ def _nothing_runs(seen: Status) -> str:
         if seen.systemd_is_init
         else "systemd is not PID 1 here"
     )
+    own = "" if seen.state_dir == str(paths.STATE) else f" --state-dir {seen.state_dir}"
     return (
         f"nothing runs the appliance: {systemd}, and no `llm-appliance up` runs with state directory "
-        f"{seen.state_dir} (`llm-appliance up {seen.spec_file}` starts one)"
+        f"{seen.state_dir} (`llm-appliance up {seen.spec_file}{own}` starts one)"
     )
 
 
