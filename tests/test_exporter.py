@@ -112,9 +112,10 @@ def test_every_reason_and_probe_the_code_uses_is_created_at_start() -> None:
     assert reasons <= set(RESTART_REASONS), reasons - set(RESTART_REASONS)
 
 
-def test_only_labelled_series_without_children_are_empty() -> None:
+def test_only_labelled_series_without_children_and_the_acceptance_are_empty() -> None:
     text = exposition()
     expected_empty = {
+        f"{PREFIX}_speculation_acceptance_ratio",  # until the first window with drafts
         f"{PREFIX}_decode_tokens_per_second",
         f"{PREFIX}_decode_baseline_tokens_per_second",
         f"{PREFIX}_decode_decay_breaches",
@@ -130,6 +131,22 @@ def test_only_labelled_series_without_children_are_empty() -> None:
     }
     empty = {family.name for family in text_string_to_metric_families(text) if not family.samples}
     assert empty == expected_empty
+
+
+def test_the_acceptance_is_absent_until_drafts_are_counted_then_a_series() -> None:
+    """Not 0: a fresh daemon has seen no drafts, and status says "no drafts yet" where the series is absent."""
+    metrics = Metrics(CollectorRegistry())
+    name = f"{PREFIX}_speculation_acceptance_ratio"
+    text = exposition()
+    assert f"# TYPE {name} gauge" in text and sample_value(text, name) is None
+    assert metrics.registry.get_sample_value(name) is None
+    metrics.acceptance.set(0.0)  # drafts made, none accepted: a real 0
+    assert metrics.registry.get_sample_value(name) == 0.0
+    metrics.acceptance.set(0.71)
+    text = generate_latest(metrics.exposed).decode()
+    assert f"{name} 0.71" in text.splitlines()
+    restricted = generate_latest(metrics.exposed.restricted_registry([name])).decode()  # /metrics?name[]=
+    assert sample_value(restricted, name) == 0.71
 
 
 def test_all_names_carry_the_prefix_and_are_snake_case() -> None:

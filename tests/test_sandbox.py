@@ -4,6 +4,7 @@ for a low port, access tried as the service user. The nspawn tests start these u
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 from collections.abc import Callable
@@ -160,6 +161,80 @@ def test_access_is_tried_as_the_service_user(outside_tmp: Path) -> None:
     refused = denied_as(SERVICE, wanted)
     assert set(refused) == {Access(inside), Access(secret)}
     assert f"{closed} (mode 0700) does not let llm-appliance reach it" in refused[Access(inside)]
+
+
+def _root_only_model(outside_tmp: Path, smollm2: Path, name: str) -> tuple[Path, Path]:
+    """(the 0700 root directory, a model in it): not in pytest's tmp_path, whose parents are 0700 already and which
+    the units would bind (PrivateTmp=, where only the file's own mode counts), but on a way the service user
+    could pass but for the one directory."""
+    closed = outside_tmp / name
+    closed.mkdir(mode=0o700)
+    assert os.stat(outside_tmp).st_mode & 0o001 and os.stat(outside_tmp.parent).st_mode & 0o001
+    model = closed / "smol.gguf"
+    try:
+        os.link(smollm2, model)  # 0644 as fetched; not chmod-ed here, the link shares the original's mode
+    except OSError:
+        shutil.copy(smollm2, model)
+        model.chmod(0o644)
+    return closed, model
+
+
+def _with_model(example: Callable[..., Path], model: Path) -> Path:
+    """The demo pair, its target `model`, its draft where the service user reads it: one problem, the target's."""
+    spec = example("demo-draft.toml")
+    text = spec.read_text()
+    start = text.index("[models.draft]")
+    target = re.search(r'^path = "(.*)"$', text[:start], re.MULTILINE)
+    assert target is not None
+    spec.write_text(text[:start].replace(target.group(1), str(model)) + text[start:])
+    return spec
+
+
+@needs_service_user
+def test_a_model_under_a_root_only_directory_is_refused_naming_the_directory(
+    example: Callable[..., Path], outside_tmp: Path, smollm2: Path
+) -> None:
+    """validate => starts: root reads the model, the service user cannot reach it, so the unit would fail at load."""
+    closed, model = _root_only_model(outside_tmp, smollm2, "root-only")
+    link = outside_tmp / "root-only-link.gguf"
+    link.symlink_to(model)
+    for path in (model, link):  # a link's way is the way of the file it leads to
+        spec = _with_model(example, path)
+        with pytest.raises(SpecInvalid) as caught:
+            validate(spec, facts=EXAMPLE_FACTS["demo-draft.toml"])
+        (problem,) = caught.value.errors
+        assert problem.field == "models.target.path", problem.render()
+        assert problem.line == spec.read_text().splitlines().index(f'path = "{path}"') + 1, problem.render()
+        assert problem.message == (
+            f"llm-appliance, the user the units run as, cannot read {path}: {closed} (mode 0700) does not let "
+            "llm-appliance reach it"
+        )
+        assert problem.fix == f"let it: chmod o+x {closed}; or move the file to /var/lib/llm-appliance/models/"
+    closed.chmod(0o711)  # the fix, as said
+    validate(spec, facts=EXAMPLE_FACTS["demo-draft.toml"])
+
+
+def test_without_the_service_user_files_are_checked_as_any_other_user(
+    example: Callable[..., Path], outside_tmp: Path, smollm2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """validate on a machine the appliance is not installed on: the user install.sh creates will be "other"."""
+    import appliance.plan.sandbox
+
+    monkeypatch.setattr(appliance.plan.sandbox, "account", lambda *_: None)
+    closed, model = _root_only_model(outside_tmp, smollm2, "root-only-no-user")
+    spec = _with_model(example, model)
+    with pytest.raises(SpecInvalid) as caught:
+        validate(spec, facts=EXAMPLE_FACTS["demo-draft.toml"])
+    (problem,) = caught.value.errors
+    assert problem.message == (
+        f"any other user cannot read {model}: {closed} (mode 0700) does not let any other user reach it "
+        "(llm-appliance, the user the units will run as, does not exist here yet: checked as any other user, "
+        "which it will be to this file)"
+    )
+    assert problem.fix == f"let it: chmod o+x {closed}; or move the file to /var/lib/llm-appliance/models/"
+    closed.chmod(0o711)
+    (warning,) = validate(spec, facts=EXAMPLE_FACTS["demo-draft.toml"]).warnings
+    assert warning.message.startswith("llm-appliance does not exist on this machine yet: the files its units open ")
 
 
 @needs_service_user

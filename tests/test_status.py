@@ -1,5 +1,7 @@
 """`llm-appliance status` against the real demo appliance under `up`: healthy, then down while llama-server is
-stopped (SIGSTOP: it accepts and never answers), then healthy again; and the verdicts on their own."""
+stopped (SIGSTOP: it accepts and never answers), then healthy again, then nothing runs once `up` stopped; how it
+tells that an `up` runs (its pid file, never a stale one); and the verdicts on their own. systemd's mode is
+tests/test_system_nspawn.py's."""
 
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ from test_launch import free_port
 
 from appliance.health.peers import Peer
 from appliance.ops.status import EXIT, Status, Unit, assess, report
+from appliance.runtime.running import PID_FILE, announced, is_up, running_up, start_time
 from appliance.system import paths
+
+SYSTEMD_IS_INIT = Path("/run/systemd/system").is_dir()
 
 
 def calm_demo(example: Callable[..., Path]) -> Path:
@@ -51,13 +56,20 @@ def test_status_of_the_real_demo_healthy_then_down_then_healthy(
     wait_until(lambda: status(spec, state).returncode == EXIT["healthy"], 120, lambda: status(spec, state).stdout)
     shown = status(spec, state)
     lines = shown.stdout.splitlines()
-    assert lines[0] == f"llm-appliance: HEALTHY (/etc/llm-appliance/{spec.name}, up, no systemd)", shown.stdout
+    assert lines[0] == f"llm-appliance: HEALTHY (/etc/llm-appliance/{spec.name}, `llm-appliance up`, pid {process.pid})"
     assert "server   /health ok; /ready ready" in lines
     assert any(line.startswith("versions ") and "llama_cpp" in line for line in lines), shown.stdout
-    assert any(line.startswith("draft    engaged") for line in lines), shown.stdout
+    assert not any("systemctl" in line for line in lines), shown.stdout
     document = json.loads(status(spec, state, "--json").stdout)
     assert document["health"] == "healthy" and document["exit_code"] == 0 and document["mode"] == "up"
+    assert (document["up_pid"], document["systemd_is_init"]) == (process.pid, SYSTEMD_IS_INIT)
     assert document["ready"]["ready"] is True
+    # No traffic: the warm-up completion at most. Either no drafts yet (no acceptance at all), or real ones.
+    (draft,) = [line for line in lines if line.startswith("draft    ")]
+    if document["acceptance"] is None:
+        assert draft == "draft    configured, no drafts yet", shown.stdout
+    else:
+        assert draft == f"draft    engaged, acceptance {document['acceptance']:.2f}", shown.stdout
 
     server = server_pids(output)[0]
     os.kill(server, signal.SIGSTOP)
@@ -70,12 +82,99 @@ def test_status_of_the_real_demo_healthy_then_down_then_healthy(
         os.kill(server, signal.SIGCONT)
     wait_until(lambda: status(spec, state).returncode == EXIT["healthy"], 120, lambda: status(spec, state).stdout)
 
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0
+    assert not (state / PID_FILE).exists()  # `up` takes its pid file with it
+    shown = status(spec, state)
+    assert shown.returncode == EXIT["down"], shown.stdout
+    assert shown.stdout.startswith(f"llm-appliance: DOWN (/etc/llm-appliance/{spec.name}, nothing runs it)")
+    assert "  ! nothing runs the appliance: " in shown.stdout
+    assert json.loads(status(spec, state, "--json").stdout)["mode"] is None
+
 
 def test_status_with_nothing_running_is_down(example: Callable[..., Path], tmp_path: Path) -> None:
     spec = calm_demo(example)
-    shown = status(spec, tmp_path / "state")
+    state = tmp_path / "state"
+    shown = status(spec, state)
     assert shown.returncode == EXIT["down"]
+    why = "systemd is not PID 1 here" if not SYSTEMD_IS_INIT else "the units are not loaded"
+    assert (
+        f"  ! nothing runs the appliance: {why}, and no `llm-appliance up` runs with state directory {state} "
+        f"(`llm-appliance up /etc/llm-appliance/{spec.name} --state-dir {state}` starts one)"
+    ) in shown.stdout.splitlines(), shown.stdout
     assert "the health daemon's exporter does not answer" in shown.stdout
+    assert "systemctl" not in shown.stdout + shown.stderr or SYSTEMD_IS_INIT
+
+
+def fake_up(*words: str) -> subprocess.Popen[bytes]:
+    """A process whose command line reads as `WORDS...`: what running_up judges, without an engine."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *words])
+
+
+def test_an_up_is_known_by_its_pid_file_its_start_time_and_its_command_line(tmp_path: Path) -> None:
+    process = fake_up("/opt/llm-appliance/venv/bin/llm-appliance", "up", "/etc/llm-appliance/demo.toml")
+    other = fake_up("/usr/bin/llm-appliance-lookalike", "up")
+    try:
+        pid_file = tmp_path / PID_FILE
+        wait_until(lambda: start_time(process.pid) is not None, 10, lambda: "no /proc entry")
+        pid_file.write_text(f"{process.pid} {start_time(process.pid)}\n")
+        assert running_up(tmp_path) == process.pid
+        # A pid whose process is gone, or came back as another one (another start time): stale, not running.
+        pid_file.write_text(f"{process.pid} {start_time(process.pid) - 1}\n")  # type: ignore[operator]
+        assert running_up(tmp_path) is None
+        # A live process of the same start time that is no `up` of ours (pytest, a lookalike): not running.
+        for pid in (os.getpid(), other.pid):
+            pid_file.write_text(f"{pid} {start_time(pid)}\n")
+            assert running_up(tmp_path) is None
+        # The state directory is the service user's: a link, a FIFO, a big file or garbage are nothing.
+        real = tmp_path / "elsewhere"
+        real.write_text(f"{process.pid} {start_time(process.pid)}\n")
+        pid_file.unlink()
+        pid_file.symlink_to(real)
+        assert running_up(tmp_path) is None
+        pid_file.unlink()
+        os.mkfifo(pid_file)
+        assert running_up(tmp_path) is None  # and it did not block on the FIFO
+        pid_file.unlink()
+        pid_file.write_text(f"{process.pid} {start_time(process.pid)}\n" + " " * 100)
+        assert running_up(tmp_path) is None
+        pid_file.write_text("-1 0\n")
+        assert running_up(tmp_path) is None
+        pid_file.write_text("up\n")
+        assert running_up(tmp_path) is None
+    finally:
+        for child in (process, other):
+            child.kill()
+            child.wait()
+
+
+def test_the_pid_file_is_there_while_up_runs_and_only_its_own_is_removed(tmp_path: Path) -> None:
+    pid_file = tmp_path / "state" / PID_FILE
+    (tmp_path / "state").mkdir()
+    with announced(tmp_path / "state"):
+        assert pid_file.read_text() == f"{os.getpid()} {start_time(os.getpid())}\n"
+        assert (pid_file.stat().st_mode & 0o777) == 0o644
+    assert not pid_file.exists()
+    with announced(tmp_path / "state"):
+        pid_file.write_text("1 1\n")  # another `up`'s since
+    assert pid_file.read_text() == "1 1\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "up"),
+    [
+        (["/opt/llm-appliance/venv/bin/python3", "/opt/llm-appliance/venv/bin/llm-appliance", "up", "x.toml"], True),
+        (["/usr/bin/python3", "-m", "appliance.cli.main", "up", "x.toml", "--as-current-user"], True),
+        (["/opt/llm-appliance/venv/bin/llm-appliance", "install", "--demo"], True),  # ends in `up` without systemd
+        (["/opt/llm-appliance/venv/bin/llm-appliance", "status"], False),
+        (["/opt/llm-appliance/venv/bin/llm-appliance", "health", "--snapshot", "up"], False),
+        (["/usr/bin/python3", "-m", "pytest", "up"], False),
+        (["/usr/bin/vim", "up"], False),
+        ([], False),
+    ],
+)
+def test_what_reads_as_an_up_of_ours(argv: list[str], up: bool) -> None:
+    assert is_up([a.encode() for a in argv] + [b""]) is up
 
 
 def paths_unit(state: str) -> Unit:
@@ -87,6 +186,35 @@ def _seen(**overrides: object) -> Status:
     for name, value in overrides.items():
         setattr(seen, name, value)
     return seen
+
+
+def test_acceptance_is_no_drafts_yet_until_drafts_are_counted() -> None:
+    configured = {
+        "llm_appliance_draft_configured": [({}, 1.0)],
+        "llm_appliance_speculation_configured": [({}, 1.0)],
+        "llm_appliance_speculation_engaged": [({}, 1.0)],
+        "llm_appliance_speculation_drafted_tokens_total": [({}, 0.0)],
+    }
+    fresh = _seen(metrics=configured)
+    assert "draft    configured, no drafts yet" in report(fresh).splitlines()
+    assert fresh.document()["acceptance"] is None
+    # An exporter from before the gauge was left unset says 0 then; the drafted counter says there is nothing.
+    old = _seen(metrics={**configured, "llm_appliance_speculation_acceptance_ratio": [({}, 0.0)]})
+    assert "draft    configured, no drafts yet" in report(old).splitlines()
+    assert old.document()["acceptance"] is None
+    drafting = {
+        **configured,
+        "llm_appliance_speculation_drafted_tokens_total": [({}, 120.0)],
+        "llm_appliance_speculation_acceptance_ratio": [({}, 0.0)],
+    }
+    rejected = _seen(metrics=drafting)  # drafts made, none accepted: a real 0
+    assert "draft    engaged, acceptance 0.00" in report(rejected).splitlines()
+    assert rejected.document()["acceptance"] == 0.0
+    stopped = _seen(metrics={**configured, "llm_appliance_speculation_engaged": [({}, 0.0)]})
+    assert "draft    NOT ENGAGED" in report(stopped).splitlines()
+    ngram = {**configured, "llm_appliance_draft_configured": [({}, 0.0)]}
+    assert "draft    n-gram lookup (no draft model), no drafts yet" in report(_seen(metrics=ngram)).splitlines()
+    assert not any(line.startswith("draft") for line in report(_seen()).splitlines())
 
 
 def test_energy_per_token_is_shown_where_a_meter_was_read() -> None:

@@ -246,6 +246,8 @@ def test_an_edit_that_was_not_applied_changes_nothing_that_runs_and_status_says_
     assert lines[-1] == "spec     is what is applied"
     assert any(line.startswith("unit     llm-appliance-server.service: active (running) since ") for line in lines)
     assert any(line.startswith("unit     llm-appliance-restart.timer: active (waiting)") for line in lines)
+    document = json.loads(machine.run(f"{CLI} status --json").stdout)
+    assert (document["mode"], document["systemd_is_init"], document["up_pid"]) == ("systemd", True, None)
 
 
 @pytest.mark.parametrize("unit", ["llm-appliance-server.service", "llm-appliance-health.service"])

@@ -214,18 +214,18 @@ def cmd_engine_info(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """How the appliance is doing, and whether the spec on disk is what runs; the exit code of a monitoring plugin
     (0 healthy, 1 degraded, 2 down, 3 unknown). Under `up` (nothing applied): name the spec `up` runs."""
-    from appliance.ops.status import EXIT, EXIT_UNKNOWN, Mode, gather, report
+    from appliance.ops.status import EXIT, EXIT_UNKNOWN, gather, report
 
-    mode: Mode
     snapshot = args.root / SNAPSHOT.relative_to("/")
     try:
-        # --state-dir, or a spec and nothing applied: the appliance `up` runs from that spec.
+        # --state-dir, or a spec and nothing applied: the appliance `up` runs from that spec. Which of systemd
+        # and `up` runs it (if either does) gather finds out.
         if args.state_dir is None and (snapshot.exists() or args.spec is None):
-            running, mode = Appliance.read(snapshot), "systemd"
+            running = Appliance.read(snapshot)
             spec_path = args.spec or args.root / running.spec_file.relative_to("/")
             differences = _spec_differences(running, spec_path, args.root)
         else:
-            running, mode, differences = _appliance(args.spec, args.state_dir or paths.STATE), "up", []
+            running, differences = _appliance(args.spec, args.state_dir or paths.STATE), []
     except (SnapshotError, SpecInvalid) as exc:
         print(f"status: {exc}", file=sys.stderr)
         return EXIT_UNKNOWN
@@ -237,7 +237,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"spec: {spec_path} differs from what is applied; the running appliance still uses the applied one")
         print("\n".join(f"  {line}" for line in differences))
         return 1
-    seen = gather(running, mode, differences)
+    seen = gather(running, differences)
     print(json.dumps(seen.document(), indent=2) if args.json else report(seen))
     return EXIT[seen.health]
 

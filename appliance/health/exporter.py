@@ -17,7 +17,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 from prometheus_client.exposition import make_wsgi_app
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import RestrictedRegistry
 
 PREFIX = "llm_appliance"
@@ -52,6 +52,37 @@ class WithoutCreated:
         """What `/metrics?name[]=...` asks for (prometheus_client's exposition calls this)."""
         assert isinstance(self._registry, CollectorRegistry)
         return WithoutCreated(self._registry.restricted_registry(names))
+
+
+class UnsetGauge:
+    """A gauge without labels that has no sample until it is first set. prometheus_client exposes an unlabelled
+    Gauge at 0 from its creation; a ratio that is 0 before anything was measured says what is not so (the
+    acceptance before the first draft), where no series says "not known yet". Its HELP and TYPE lines are there
+    from the start, as a labelled family's without children are."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self._lock = threading.Lock()
+        self._value: float | None = None
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        with self._lock:
+            self._value = float(value)
+
+    def get(self) -> float | None:
+        with self._lock:
+            return self._value
+
+    def describe(self) -> Iterable[Metric]:
+        return [GaugeMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(self.name, self.documentation)
+        value = self.get()
+        if value is not None:
+            family.add_metric([], value)
+        return [family]
 
 
 class Metrics:
@@ -92,8 +123,11 @@ class Metrics:
         self.speculation_engaged = gauge(
             "speculation_engaged", "Whether drafts are being made, or nothing was generated yet (1/0)"
         )
-        self.acceptance = gauge(
-            "speculation_acceptance_ratio", "Accepted / drafted tokens in the last window with drafts (ratio)"
+        # Absent until the first window with drafts: "no drafts yet" is not an acceptance of 0.
+        self.acceptance = UnsetGauge(
+            f"{PREFIX}_speculation_acceptance_ratio",
+            "Accepted / drafted tokens in the last window with drafts (ratio)",
+            r,
         )
         self.decode_no_speculation = gauge(
             "decode_no_speculation_tokens_per_second",

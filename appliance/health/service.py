@@ -22,6 +22,7 @@ from appliance.health.units import SystemdUnit, UnitError
 from appliance.plan.resolved import Appliance
 from appliance.runtime.launch import Launcher, LaunchPlan
 from appliance.runtime.notify import Notifier
+from appliance.runtime.running import announced
 from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
 from appliance.system import paths
 
@@ -175,7 +176,9 @@ def up(appliance: Appliance, stop_timeout: float, as_current_user: bool = False)
     )
     thread.start()
     log.info("health daemon exporting metrics on %s", appliance.exporter.url)
-    code = launcher.run()
-    launcher.stop_requested.set()
-    thread.join(timeout=spec.health.interval_seconds + 5)
+    # What `status` finds out that this appliance runs, and how (runtime/running.py).
+    with announced(appliance.state_file.parent):
+        code = launcher.run()
+        launcher.stop_requested.set()
+        thread.join(timeout=spec.health.interval_seconds + 5)
     return code

@@ -2,16 +2,16 @@
 
 Everything comes from where the running appliance publishes it: systemd (unit states, since when), llama-server
 (/health), the health daemon's exporter (/metrics, /ready), the restart history, and the spec on disk against the
-applied snapshot. Under `up` (no systemd) the same, less the units. `gather` asks; `assess` and `report` are pure.
+applied snapshot. Under `up` (no systemd) the same, less the units. What runs the appliance is found out, not
+assumed: systemd when it is PID 1 and the units are loaded, `up` when an `up` of the state directory runs (its pid
+file, runtime/running.py), else nothing. `gather` asks; `assess` and `report` are pure.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import stat
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -23,12 +23,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from appliance.health.peers import Peer, read_peer
 from appliance.health.requests import ADOPTED, REQUEST
 from appliance.plan.resolved import Appliance
+from appliance.runtime.running import read_small, running_up
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 from appliance.system import paths
 from appliance.system.run import CommandFailed, run
 
 Health = Literal["healthy", "degraded", "down"]
-Mode = Literal["systemd", "up"]
+Mode = Literal["systemd", "up"]  # what runs the appliance; None: nothing does
 # The monitoring-plugins convention (Nagios, Icinga, Checkmk): OK, WARNING, CRITICAL; UNKNOWN when it cannot tell.
 EXIT: dict[Health, int] = {"healthy": 0, "degraded": 1, "down": 2}
 EXIT_UNKNOWN = 3
@@ -49,12 +50,16 @@ class Unit:
     name: str
     state: str  # "active (running)", "inactive (dead)", "failed (failed)"
     since: str = ""  # systemd's timestamp of the state, or the timer's next run
+    loaded: bool = True  # systemd knows the unit (LoadState=loaded)
 
 
 @dataclass
 class Status:
-    mode: Mode
+    mode: Mode | None
     spec_file: str
+    state_dir: str = ""
+    systemd_is_init: bool = False  # /run/systemd/system exists, as sd_booted(3) asks
+    up_pid: int | None = None  # the `up` that runs the appliance
     units: list[Unit] = field(default_factory=list)
     server: str = "unreachable"  # /health: "ok", "loading", "HTTP n", "unreachable (why)"
     ready: Peer | None = None  # the daemon's /ready; None when its exporter does not answer
@@ -73,6 +78,13 @@ class Status:
                 return value
         return None
 
+    def acceptance(self) -> float | None:
+        """Accepted / drafted tokens; None until drafts exist (an exporter of before the gauge was left unset
+        exports 0 then: the drafted counter tells)."""
+        if not self.value("speculation_drafted_tokens_total"):
+            return None
+        return self.value("speculation_acceptance_ratio")
+
     def speedups(self) -> dict[str, float]:
         """Decode with speculation over decode without it, by bucket (where the baseline measured both)."""
         return {labels["bucket"]: v for labels, v in self.metrics.get("llm_appliance_speculation_speedup", [])}
@@ -84,17 +96,27 @@ class Status:
             name: [{"labels": labels, "value": v} for labels, v in s] for name, s in self.metrics.items()
         }
         shown["speculation_speedup"] = self.speedups()
+        shown["acceptance"] = self.acceptance()
         shown["exit_code"] = EXIT[self.health]
         return shown
 
 
-def gather(appliance: Appliance, mode: Mode, spec_differences: list[str]) -> Status:
+def gather(appliance: Appliance, spec_differences: list[str]) -> Status:
     spec = appliance.spec
-    seen = Status(mode, str(appliance.spec_file), spec_differences=spec_differences)
+    state = appliance.state_file.parent
+    seen = Status(None, str(appliance.spec_file), str(state), spec_differences=spec_differences)
     seen.pins = {k: str(v) for k, v in spec.versions.model_dump().items() if v and k != "on_mismatch"}
     seen.decay_ratio = spec.health.decay_ratio
-    if mode == "systemd":
-        seen.units = [_unit(name) for name in (paths.SERVER_UNIT, paths.HEALTH_UNIT, paths.RESTART_TIMER)]
+    seen.up_pid = running_up(state)
+    seen.systemd_is_init = systemd_is_init()
+    if seen.up_pid is not None:
+        seen.mode = "up"
+    elif seen.systemd_is_init:
+        # Asked only where systemd runs: elsewhere systemctl has nothing to say but errors.
+        units = [_unit(name) for name in (paths.SERVER_UNIT, paths.HEALTH_UNIT, paths.RESTART_TIMER)]
+        # A systemctl that cannot answer is shown as such (the unit "unknown"), not taken for no units.
+        if units[0].loaded or units[0].state.startswith("unknown"):
+            seen.mode, seen.units = "systemd", units
     try:
         code = ServerApi(appliance.server.url, timeout=TIMEOUT_SECONDS).health()
         seen.server = {200: "ok", 503: "loading"}.get(code, f"HTTP {code}")
@@ -104,7 +126,6 @@ def gather(appliance: Appliance, mode: Mode, spec_differences: list[str]) -> Sta
     if not (ready.reason or "").startswith("unreachable"):
         seen.ready = ready
         seen.metrics = _scrape(appliance.exporter.url.rstrip("/") + "/metrics")
-    state = appliance.state_file.parent
     seen.restarts = _restarts(appliance.state_file)[-LAST_RESTARTS:]
     for name, words in ((ADOPTED, "in progress"), (REQUEST, "not yet taken by the daemon")):
         asked = _read_small(state / name)
@@ -115,10 +136,16 @@ def gather(appliance: Appliance, mode: Mode, spec_differences: list[str]) -> Sta
     return seen
 
 
+def systemd_is_init() -> bool:
+    return Path("/run/systemd/system").is_dir()
+
+
 def assess(seen: Status) -> tuple[Health, list[str]]:
     """Down: llama-server does not answer (or its unit is not active). Degraded: it answers, but something an
     admin should look at holds (not ready, decay, versions, speculation, the budget, the daemon, the spec)."""
     down, degraded = [], []
+    if seen.mode is None:
+        down.append(_nothing_runs(seen))
     server_unit = next((u for u in seen.units if u.name == paths.SERVER_UNIT), None)
     if server_unit and not server_unit.state.startswith("active"):
         down.append(f"{server_unit.name} is {server_unit.state}")
@@ -151,6 +178,19 @@ def assess(seen: Status) -> tuple[Health, list[str]]:
     return ("degraded" if degraded else "healthy"), degraded
 
 
+def _nothing_runs(seen: Status) -> str:
+    systemd = (
+        f"the units are not loaded (`llm-appliance apply` installs them; then `systemctl start {paths.SERVER_UNIT}`)"
+        if seen.systemd_is_init
+        else "systemd is not PID 1 here"
+    )
+    own = "" if seen.state_dir == str(paths.STATE) else f" --state-dir {seen.state_dir}"
+    return (
+        f"nothing runs the appliance: {systemd}, and no `llm-appliance up` runs with state directory "
+        f"{seen.state_dir} (`llm-appliance up {seen.spec_file}{own}` starts one)"
+    )
+
+
 def report(seen: Status) -> str:
     """The screen. Label values and reasons come from the exporter (the service user's): printed without
     control characters, so a compromised daemon cannot drive root's terminal."""
@@ -158,9 +198,8 @@ def report(seen: Status) -> str:
 
 
 def _screen(seen: Status) -> list[str]:
-    lines = [
-        f"llm-appliance: {seen.health.upper()} ({seen.spec_file}, {'systemd' if seen.mode == 'systemd' else 'up, no systemd'})"
-    ]
+    runs = {"systemd": "systemd", "up": f"`llm-appliance up`, pid {seen.up_pid}", None: "nothing runs it"}[seen.mode]
+    lines = [f"llm-appliance: {seen.health.upper()} ({seen.spec_file}, {runs})"]
     lines += [f"  ! {problem}" for problem in seen.problems]
     for unit in seen.units:
         lines.append(f"unit     {unit.name}: {unit.state}{f' since {unit.since}' if unit.since else ''}")
@@ -187,10 +226,7 @@ def _screen(seen: Status) -> list[str]:
         gain = seen.speedups().get(bucket)
         gained = f", {gain:.2f}x the rate without speculation" if gain is not None else ""
         lines.append(f"decode   {bucket}: {rate:.1f} tok/s{against}{gained}")
-    acceptance = seen.value("speculation_acceptance_ratio")
-    if seen.value("draft_configured") == 1:
-        engaged = "engaged" if seen.value("speculation_engaged") == 1 else "NOT ENGAGED"
-        lines.append(f"draft    {engaged}" + (f", acceptance {acceptance:.2f}" if acceptance is not None else ""))
+    lines += _speculation(seen)
     lines += _memory(seen)
     energy = [
         f"{labels['source']} {value:.2f} J/token"
@@ -219,6 +255,19 @@ def _buckets(seen: Status) -> list[tuple[str, float, float | None]]:
         (labels["bucket"], value, seen.value("decode_baseline_tokens_per_second", bucket=labels["bucket"]))
         for labels, value in seen.metrics.get("llm_appliance_decode_tokens_per_second", [])
     ]
+
+
+def _speculation(seen: Status) -> list[str]:
+    acceptance = seen.acceptance()
+    drafts = "no drafts yet" if acceptance is None else f"acceptance {acceptance:.2f}"
+    if seen.value("draft_configured") == 1:
+        if seen.value("speculation_engaged") == 0:
+            return ["draft    NOT ENGAGED" + ("" if acceptance is None else f" (earlier {drafts})")]
+        return [f"draft    {'engaged' if acceptance is not None else 'configured'}, {drafts}"]
+    if seen.value("speculation_configured") == 1:
+        # n-gram types draft only once the output repeats earlier text: no drafts yet is no verdict.
+        return [f"draft    n-gram lookup (no draft model), {drafts}"]
+    return []
 
 
 def _memory(seen: Status) -> list[str]:
@@ -250,18 +299,23 @@ def _pending(seen: Status) -> str | None:
 
 
 def _unit(name: str) -> Unit:
-    properties = ("ActiveState", "SubState", "ActiveEnterTimestamp", "NextElapseUSecRealtime")
+    properties = ("LoadState", "ActiveState", "SubState", "ActiveEnterTimestamp", "NextElapseUSecRealtime")
     try:
         shown = run(["systemctl", "show", *(f"--property={p}" for p in properties), name], timeout=10, quiet=True)
     except CommandFailed as exc:
-        return Unit(name, f"unknown ({exc})")
+        return Unit(name, f"unknown ({exc})", loaded=False)
     values = dict(line.partition("=")[::2] for line in shown.stdout.splitlines())
     since = values.get("ActiveEnterTimestamp", "")
     if name.endswith(".timer") and values.get("NextElapseUSecRealtime"):
         since = (
             f"{since}; next {values['NextElapseUSecRealtime']}" if since else f"next {values['NextElapseUSecRealtime']}"
         )
-    return Unit(name, f"{values.get('ActiveState', '?')} ({values.get('SubState', '?')})", since)
+    return Unit(
+        name,
+        f"{values.get('ActiveState', '?')} ({values.get('SubState', '?')})",
+        since,
+        loaded=values.get("LoadState") == "loaded",
+    )
 
 
 def _scrape(url: str) -> Series:
@@ -289,16 +343,4 @@ def _restarts(path: Path) -> list[tuple[float, str]]:
 
 
 def _read_small(path: Path) -> str | None:
-    """A file in the service user's state directory, as root may read it: never through a link, never a FIFO
-    or a device (O_NONBLOCK, a regular file only), never more than a state file holds."""
-    try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        status = os.fstat(descriptor)
-        if not stat.S_ISREG(status.st_mode) or status.st_size > STATE_FILE_LIMIT:
-            return None
-        return os.read(descriptor, STATE_FILE_LIMIT).decode(errors="replace")
-    finally:
-        os.close(descriptor)
+    return read_small(path, STATE_FILE_LIMIT)

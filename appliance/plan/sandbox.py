@@ -6,7 +6,9 @@ reachable inside the unit's namespace and readable by the service user, checked 
   bind), the file alone, not its neighbours;
 - PrivateTmp= gives each unit its own /tmp and /var/tmp, and both are emptied or aged at boot: refused;
 - the service user must read what it opens (a directory of mode 0700 on the way, a file of another group):
-  root tries it as that user for real (system.users.denied_as).
+  root tries it as that user for real (system.users.denied_as, ACLs included), and the fix names each directory
+  that stops it (`chmod o+x DIR`) and the file's own mode; before the user exists, the modes are read as any
+  other user's (ACLs not), which it will be to every file there now.
 
 Validation, not planning: it reads the file system, as validate.py does.
 """
@@ -21,7 +23,18 @@ from pathlib import Path
 from appliance.spec.model import Spec
 from appliance.spec.problems import Problem, error, warning
 from appliance.system import paths
-from appliance.system.users import Access, account, denied_as
+from appliance.system.users import (
+    READ,
+    SEARCH,
+    Access,
+    Account,
+    account,
+    closed_directories,
+    denied_as,
+    may,
+    refused_by_modes,
+    stranger,
+)
 
 HIDDEN_HOMES = (Path("/home"), Path("/root"), Path("/run/user"))  # ProtectHome=
 PRIVATE_TMP = (Path("/tmp"), Path("/var/tmp"))  # PrivateTmp=: the unit's own, empty; host files bound in
@@ -139,33 +152,69 @@ def sandbox(spec: Spec, binary: str) -> tuple[Sandbox, list[Problem]]:
 
 def _readable(wanted: dict[Access, _Opened]) -> list[Problem]:
     who = account()
-    if who is None and wanted:
-        return [
-            warning(
-                next(iter(wanted.values())).field,
-                f"cannot check that {paths.SERVICE_USER} can read the files its units open: the user does not exist "
-                "on this machine yet",
-                "install.sh creates it; validate again after",
-            )
-        ]
+    checked_as = ""
     if who is None:
-        return []
+        if not wanted:
+            return []
+        # validate on a machine the appliance is not installed on yet: install.sh creates the user with a group
+        # of its own, so to every file there now it will be "other"; what "other" may not open, neither will it.
+        who = stranger("any other user")
+        checked_as = (
+            f" ({paths.SERVICE_USER}, the user the units will run as, does not exist here yet: checked as any "
+            "other user, which it will be to this file)"
+        )
+        refused = refused_by_modes(who, list(wanted))
+        if not refused:
+            return [
+                warning(
+                    next(iter(wanted.values())).field,
+                    f"{paths.SERVICE_USER} does not exist on this machine yet: the files its units open were checked "
+                    "as any other user would open them (by their modes; ACLs and groups not)",
+                    "install.sh creates it; validate again after",
+                )
+            ]
+    else:
+        refused = denied_as(who, list(wanted))
     found = []
-    for access, reason in denied_as(who, list(wanted)).items():
+    for access, reason in refused.items():
         opened = wanted[access]
         verb = "run" if opened.execute else "read"
-        group = _group(access.path)
-        # Never "join root's group": that would open every root:root 0640 file to a compromised server.
-        join = f", or add it to the file's group (usermod -aG {group} {who.name})" if group != "root" else ""
+        user = who.name if checked_as else f"{who.name}, the user the units run as,"
         found.append(
             error(
                 opened.field,
-                f"{who.name}, the user the units run as, cannot {verb} {access.path}: {reason}",
-                f"let it: chgrp {who.group_name} {access.path} && chmod g+r{'x' if opened.execute else ''} "
-                f"{access.path} (and g+x on each directory on the way){join}, or move the file to {opened.move_to}/",
+                f"{user} cannot {verb} {access.path}: {reason}{checked_as}",
+                _fix(access, opened, who, checked_as != ""),
             )
         )
     return found
+
+
+def _fix(access: Access, opened: _Opened, who: Account, stranger: bool) -> str:
+    """The commands that let `who` open the file: x on each directory that stops it on the way (search alone: it
+    still cannot list them), then read on the file itself; or the move to where it may."""
+    fixes = []
+    if not access.inode_only:  # a bound file's directories are systemd's, inside the unit
+        closed = closed_directories(access.path, who)
+        if closed:
+            fixes.append(" && ".join(f"chmod {owner}+x {directory}" for directory, owner in closed))
+    bits = READ | (SEARCH if opened.execute else 0)
+    if not may(os.stat(access.path), who, bits):
+        x = "x" if opened.execute else ""
+        if stranger:
+            fixes.append(f"chmod o+r{x} {access.path}")
+        else:
+            group = _group(access.path)
+            # Never "join root's group": that would open every root:root 0640 file to a compromised server.
+            join = f" (or add it to the file's group: usermod -aG {group} {who.name})" if group != "root" else ""
+            fixes.append(f"chgrp {who.group_name} {access.path} && chmod g+r{x} {access.path}{join}")
+    if not fixes:  # the modes allow it, the kernel does not: an ACL, a security module
+        return (
+            f"let it: chgrp {who.group_name} {access.path} && chmod g+r{'x' if opened.execute else ''} "
+            f"{access.path} (and g+x on each directory on the way; check getfacl), or move the file to "
+            f"{opened.move_to}/"
+        )
+    return f"let it: {' && '.join(fixes)}; or move the file to {opened.move_to}/"
 
 
 def _group(path: Path) -> str:

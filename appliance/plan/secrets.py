@@ -16,7 +16,7 @@ from appliance.plan.sandbox import hidden
 from appliance.spec.model import Spec
 from appliance.spec.problems import Problem, error, warning
 from appliance.system import paths
-from appliance.system.users import Access, account, denied_as
+from appliance.system.users import Access, account, closed_directories, denied_as
 
 API_KEY = "server.api_key_file"
 SCRAPE_KEY = "prometheus.scrape_key_file"
@@ -123,11 +123,14 @@ def _service_user_reads(path: Path) -> list[Problem]:
     bound = bool(hidden(path))
     unreachable = denied_as(who, [Access(path, inode_only=bound)]).get(Access(path, inode_only=bound))
     if unreachable:
+        closed = [] if bound else closed_directories(path, who)
+        through = " && ".join(f"chmod {owner}+x {directory}" for directory, owner in closed)
         return [
             error(
                 API_KEY,
                 f"{USER} cannot read {path}: {unreachable}",
-                f"keep the key file in a directory {USER} may enter, e.g. {paths.ETC}",
+                (f"let it through: {through} (search only: it still cannot list them); or " if through else "")
+                + f"keep the key file in a directory {USER} may enter, e.g. {paths.ETC}",
             )
         ]
     return []

@@ -131,16 +131,42 @@ def trusted_status(path: Path, who: Account) -> str | None:
     return None
 
 
+def stranger(name: str) -> Account:
+    """A user that owns nothing and is in no group, as a user not created yet will be to every existing file
+    (install.sh creates the service user with a group of its own): the modes' "other" class."""
+    return Account(name, -1, -1, ())
+
+
+def closed_directories(path: Path, who: Account) -> list[tuple[Path, str]]:
+    """Each directory on the way to `path` (as written, and to the file a link leads to) that the modes do not
+    let `who` pass (search, x), with the class whose x bit would: "u" its owner, "g" its group, "o" the others.
+    ACLs are not read: the real check (`denied_as`, as root) asks the kernel, which applies them."""
+    absolute = Path(os.path.abspath(path))
+    ways = dict.fromkeys((*reversed(absolute.parents), *reversed(Path(os.path.realpath(absolute)).parents)))
+    closed = []
+    for directory in ways:
+        try:
+            status = os.stat(directory)
+        except OSError:
+            continue  # `reading` says so
+        if not may(status, who, SEARCH):
+            owner = "u" if status.st_uid == who.uid else "g" if status.st_gid in who.groups else "o"
+            closed.append((directory, owner))
+    return closed
+
+
 def reading(path: Path, who: Account) -> str | None:
     """Why `who` could not read the file at `path` (None: it can), from the modes on the way to it."""
     absolute = Path(os.path.abspath(path))
     for directory in reversed(absolute.parents):
         try:
-            status = os.stat(directory)
+            os.stat(directory)
         except OSError as exc:
             return f"cannot reach {directory}: {exc.strerror}"
-        if not may(status, who, SEARCH):
-            return f"{directory} (mode {stat.S_IMODE(status.st_mode):04o}) does not let {who.name} reach it"
+    closed = closed_directories(absolute, who)
+    if closed:
+        directory = closed[0][0]
+        return f"{directory} (mode {stat.S_IMODE(os.stat(directory).st_mode):04o}) does not let {who.name} reach it"
     status = os.stat(absolute)
     if not may(status, who, READ):
         return f"its mode {stat.S_IMODE(status.st_mode):04o} does not let {who.name} read it"
@@ -162,7 +188,7 @@ def denied_as(who: Account, wanted: Sequence[Access]) -> dict[Access, str]:
     `who` (groups, gid, uid, as User= would) and asks the kernel, ACLs included. Anyone else can only read
     the modes on the way (`reading`)."""
     if os.geteuid() != 0:
-        return {a: r for a in wanted if (r := _reading_by_modes(a, who))}
+        return refused_by_modes(who, wanted)
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe and never returns
@@ -180,7 +206,7 @@ def denied_as(who: Account, wanted: Sequence[Access]) -> dict[Access, str]:
     _, status = os.waitpid(pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         # The child could not become `who` (a broken account): the modes are still an answer, never a traceback.
-        return {a: r for a in wanted if (r := _reading_by_modes(a, who))}
+        return refused_by_modes(who, wanted)
     refused: list[int] = json.loads(said)
     # The kernel said no; the modes say where, when they can.
     return {
@@ -213,6 +239,11 @@ def _try_as(who: Account, wanted: Sequence[Access]) -> list[int]:
         if not allowed:
             refused.append(i)
     return refused
+
+
+def refused_by_modes(who: Account, wanted: Sequence[Access]) -> dict[Access, str]:
+    """`denied_as` from the modes alone, for a user that cannot be become (one not created yet)."""
+    return {a: r for a in wanted if (r := _reading_by_modes(a, who))}
 
 
 def _reading_by_modes(access: Access, who: Account) -> str | None:
