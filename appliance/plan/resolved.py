@@ -9,7 +9,6 @@ is always what was applied and checked, whatever the spec file on disk says sinc
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from collections import Counter
 from dataclasses import dataclass
@@ -20,12 +19,12 @@ from pydantic import ValidationError
 
 from appliance.plan.devices import draft_devices, gpu_devices
 from appliance.plan.plan import Plan
+from appliance.spec.address import host_port, ip_address, is_ipv6, is_loopback, is_wildcard, network_of
 from appliance.spec.model import Spec
 from appliance.system import paths
 
 SNAPSHOT_VERSION = 1
 SNAPSHOT = paths.RENDERED / "appliance.json"
-LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 PRIVILEGED_PORTS = 1024  # below it binding needs CAP_NET_BIND_SERVICE (net.ipv4.ip_unprivileged_port_start)
 # Device nodes a CUDA process opens besides /dev/nvidiaN of its GPUs (nvidia-uvm-tools is for profilers);
 # NVML opens only the control node and the GPUs', read-write like CUDA.
@@ -45,16 +44,19 @@ class Endpoint:
     @property
     def address(self) -> str:
         """host:port as a client dials it: a wildcard listener is reached on loopback."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return host_port("127.0.0.1" if is_wildcard(self.host) else self.host, self.port)
 
     @property
     def url(self) -> str:
         return f"http://{self.address}"
 
     @property
+    def ipv6(self) -> bool:
+        return is_ipv6(self.host)
+
+    @property
     def loopback_only(self) -> bool:
-        return self.host in LOOPBACK_HOSTS
+        return is_loopback(self.host)
 
     @property
     def privileged(self) -> bool:
@@ -65,11 +67,9 @@ class Endpoint:
     def own_address(self) -> tuple[str, ...]:
         """The one non-loopback address of this machine it listens on, as a network (none for loopback or a
         wildcard): its probes and local clients dial it there, and come from it, past the units' IP filters."""
-        try:
-            address = ipaddress.ip_address(self.host)
-        except ValueError:  # localhost (prometheus.host is not checked to be an address)
-            return ()
-        return () if address.is_loopback or address.is_unspecified else (str(ipaddress.ip_network(address)),)
+        if ip_address(self.host) is None or is_loopback(self.host) or is_wildcard(self.host):
+            return ()  # localhost (prometheus.host is not checked to be an address)
+        return (network_of(self.host),)
 
 
 @dataclass(frozen=True)
@@ -110,14 +110,14 @@ class Appliance:
         """The server unit's IPAddressAllow= besides localhost: network.allow (IPv4 first) and the server's own
         address (the launcher's /health probe goes there). Only with egress = "deny": systemd's filter holds
         both directions, so with "allow" the unit has none and the nftables input chain filters the clients."""
-        allow = sorted(self.spec.network.allow, key=lambda cidr: ":" in cidr)
+        allow = sorted(self.spec.network.allow, key=is_ipv6)
         return _unique((*allow, *self.server.own_address))
 
     @property
     def health_ip_allow(self) -> tuple[str, ...]:
         """The health unit's IPAddressAllow= besides localhost: the server's own address (the daemon probes it
         there) and, when the exporter listens beyond loopback, network.allow and the exporter's own address."""
-        allow = sorted(self.spec.network.allow, key=lambda cidr: ":" in cidr)
+        allow = sorted(self.spec.network.allow, key=is_ipv6)
         exporter = () if self.exporter.loopback_only else (*allow, *self.exporter.own_address)
         return _unique((*self.server.own_address, *exporter))
 
