@@ -20,6 +20,7 @@ from appliance.fleet.model import Fleet, Host
 from appliance.plan.resolved import Appliance, resolve
 from appliance.plan.validate import validate_loaded
 from appliance.render.apply import installed_spec_path
+from appliance.render.promql import quoted
 from appliance.render.render import duration, render, template
 from appliance.spec.address import host_port
 from appliance.spec.problems import Problem, Severity, SpecInvalid, error, warning
@@ -188,13 +189,13 @@ def _prometheus(fleet: LoadedFleet, members: list[FleetHost], header: str) -> di
         "header": header,
         "files_dir": str(files_dir),
         "scrape_interval": f"{interval}s",
-        "scrape_key_file": json.dumps(str(key)) if key else None,
-        "targets": {job: json.dumps(str(files_dir / f"{JOBS[job]}.json")) for job in JOBS},
+        "scrape_key_file": quoted(str(key)) if key else None,
+        "targets": {job: quoted(str(files_dir / f"{JOBS[job]}.json")) for job in JOBS},
     }
     files[f"{PROMETHEUS}/scrape.yml"] = template("fleet/scrape.yml.j2").render(v=scrape)
     drain = f.balancer.check_interval_seconds * f.balancer.fall
     idle = max(m.appliance.spec.restart.idle_timeout_seconds for m in members)
-    name = json.dumps(f.fleet.name)
+    name = quoted(f.fleet.name)
     rules = {
         "header": header,
         "name": f.fleet.name,
