@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import ValidationError
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from appliance.plan.devices import draft_devices, gpu_devices
 from appliance.plan.plan import Plan
@@ -23,8 +24,11 @@ from appliance.spec.address import host_port, ip_address, is_ipv6, is_loopback, 
 from appliance.spec.model import Spec
 from appliance.system import paths
 
-SNAPSHOT_VERSION = 1
+# The snapshot's format: its fields are the Appliance's, every one required. A snapshot of another version
+# (or lacking a field) is refused, and apply writes a new one: it never reads as something it does not say.
+SNAPSHOT_VERSION = 2
 SNAPSHOT = paths.RENDERED / "appliance.json"
+REAPPLY = "re-run `llm-appliance apply SPEC`"
 PRIVILEGED_PORTS = 1024  # below it binding needs CAP_NET_BIND_SERVICE (net.ipv4.ip_unprivileged_port_start)
 # Device nodes a CUDA process opens besides /dev/nvidiaN of its GPUs (nvidia-uvm-tools is for profilers);
 # NVML opens only the control node and the GPUs', read-write like CUDA.
@@ -38,6 +42,8 @@ class SnapshotError(Exception):
 
 @dataclass(frozen=True)
 class Endpoint:
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
+
     host: str
     port: int
 
@@ -74,6 +80,10 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class Appliance:
+    """Each field is one line of the snapshot (`spec` and `spec_file` at its top, the rest under "resolved")."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
+
     spec: Spec
     spec_file: Path  # where apply installs the spec; the units and alerts name it
     binary: str
@@ -97,9 +107,9 @@ class Appliance:
     state_file: Path
     baseline_file: Path
     # Files each unit binds read-only out of a home directory its ProtectHome= hides ("-": may be missing).
-    server_binds: tuple[str, ...] = ()
-    health_binds: tuple[str, ...] = ()
-    restart_binds: tuple[str, ...] = ()
+    server_binds: tuple[str, ...]
+    health_binds: tuple[str, ...]
+    restart_binds: tuple[str, ...]
 
     @property
     def health_url(self) -> str:
@@ -125,73 +135,25 @@ class Appliance:
 
     def document(self) -> dict[str, Any]:
         """JSON-ready: the spec as written (normalised) and the resolved facts beside it."""
-        return {
-            "snapshot_version": SNAPSHOT_VERSION,
-            "spec_file": str(self.spec_file),
-            "spec": _spec_document(self.spec),
-            "resolved": {
-                "binary": self.binary,
-                "argv": list(self.argv),
-                "alias": self.alias,
-                "server": {"host": self.server.host, "port": self.server.port},
-                "exporter": {"host": self.exporter.host, "port": self.exporter.port},
-                "api_key_file": str(self.api_key_file) if self.api_key_file else None,
-                "scrape_key_file": str(self.scrape_key_file) if self.scrape_key_file else None,
-                "draft_in_use": self.draft_in_use,
-                "speculation": self.speculation,
-                "on_gpu": self.on_gpu,
-                "server_devices": list(self.server_devices),
-                "server_device_nodes": list(self.server_device_nodes),
-                "health_device_nodes": list(self.health_device_nodes),
-                "planned_vram_bytes": dict(self.planned_vram_bytes),
-                "min_free_bytes": self.min_free_bytes,
-                "planned_host_bytes": self.planned_host_bytes,
-                "host_usable_bytes": self.host_usable_bytes,
-                "slot_ctx": self.slot_ctx,
-                "state_file": str(self.state_file),
-                "baseline_file": str(self.baseline_file),
-                "server_binds": list(self.server_binds),
-                "health_binds": list(self.health_binds),
-                "restart_binds": list(self.restart_binds),
-            },
-        }
+        resolved = _snapshot().dump_python(self, mode="json", exclude={"spec"})
+        spec_file = resolved.pop("spec_file")
+        spec = _spec_document(self.spec)
+        return {"snapshot_version": SNAPSHOT_VERSION, "spec_file": spec_file, "spec": spec, "resolved": resolved}
 
     @classmethod
-    def from_document(cls, document: dict[str, Any]) -> Appliance:
+    def from_document(cls, document: Any) -> Appliance:
+        """The appliance a document() holds; SnapshotError for another version or a field missing or wrong."""
+        if not isinstance(document, dict) or not isinstance(document.get("resolved"), dict):
+            raise SnapshotError(f"not an applied appliance; {REAPPLY}")
         if document.get("snapshot_version") != SNAPSHOT_VERSION:
-            raise ValueError(f"snapshot version {document.get('snapshot_version')!r}, expected {SNAPSHOT_VERSION}")
-        r = document["resolved"]
-        key, scrape_key = r["api_key_file"], r.get("scrape_key_file")
-        spec = Spec.model_validate(document["spec"], strict=False)
-        return cls(
-            spec=spec,
-            spec_file=Path(document["spec_file"]),
-            binary=str(r["binary"]),
-            argv=tuple(str(a) for a in r["argv"]),
-            # Applied before --alias: llama-server named the model by its path.
-            alias=str(r.get("alias", spec.models.target.path)),
-            server=Endpoint(str(r["server"]["host"]), int(r["server"]["port"])),
-            exporter=Endpoint(str(r["exporter"]["host"]), int(r["exporter"]["port"])),
-            api_key_file=Path(key) if key else None,
-            scrape_key_file=Path(scrape_key) if scrape_key else None,
-            draft_in_use=bool(r["draft_in_use"]),
-            # Applied before n-gram speculation was told apart: only a draft speculated that the launcher checked.
-            speculation=bool(r.get("speculation", r["draft_in_use"])),
-            on_gpu=bool(r["on_gpu"]),
-            server_devices=tuple(str(d) for d in r["server_devices"]),
-            server_device_nodes=tuple(str(n) for n in r["server_device_nodes"]),
-            health_device_nodes=tuple(str(n) for n in r["health_device_nodes"]),
-            planned_vram_bytes={str(k): int(v) for k, v in r["planned_vram_bytes"].items()},
-            min_free_bytes=int(r["min_free_bytes"]),
-            planned_host_bytes=int(r.get("planned_host_bytes", 0)),
-            host_usable_bytes=int(r.get("host_usable_bytes", 0)),
-            slot_ctx=int(r["slot_ctx"]),
-            state_file=Path(r["state_file"]),
-            baseline_file=Path(r["baseline_file"]),
-            server_binds=tuple(str(b) for b in r["server_binds"]),
-            health_binds=tuple(str(b) for b in r["health_binds"]),
-            restart_binds=tuple(str(b) for b in r["restart_binds"]),
-        )
+            version = document.get("snapshot_version")
+            raise SnapshotError(f"snapshot version {version!r}, expected {SNAPSHOT_VERSION}; {REAPPLY}")
+        fields = {**document["resolved"], **{k: document[k] for k in ("spec", "spec_file") if k in document}}
+        try:
+            # JSON's types: a list for a tuple, a string for a path.
+            return _snapshot().validate_python(fields, strict=False)
+        except ValidationError as exc:
+            raise SnapshotError(f"{_invalid(exc)}; {REAPPLY}") from None
 
     def to_json(self, header: str) -> str:
         return json.dumps({"generated": header, **self.document()}, indent=2, sort_keys=True) + "\n"
@@ -200,12 +162,38 @@ class Appliance:
     def read(cls, path: Path = SNAPSHOT) -> Appliance:
         """The applied appliance, as the units start it."""
         try:
-            return cls.from_document(json.loads(path.read_text()))
+            document = json.loads(path.read_text())
         except FileNotFoundError:
             raise SnapshotError(f"{path} does not exist: nothing is applied; run `llm-appliance apply SPEC`") from None
-        except (OSError, ValueError, KeyError, TypeError, ValidationError) as exc:
+        except (OSError, ValueError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise SnapshotError(f"cannot read {path}: {reason}; re-run `llm-appliance apply SPEC`") from None
+            raise SnapshotError(f"cannot read {path}: {reason}; {REAPPLY}") from None
+        try:
+            return cls.from_document(document)
+        except SnapshotError as exc:
+            raise SnapshotError(f"cannot read {path}: {exc}") from None
+
+
+@cache
+def _snapshot() -> TypeAdapter[Appliance]:
+    return TypeAdapter(Appliance)
+
+
+def _invalid(exc: ValidationError) -> str:
+    """What is wrong with a snapshot, by its keys: every field missing, else the first one unknown or wrong."""
+
+    def key(loc: tuple[int | str, ...]) -> str:
+        name = ".".join(str(part) for part in loc)
+        return name if loc[0] in ("spec", "spec_file") else f"resolved.{name}"
+
+    errors = exc.errors()
+    missing = [key(error["loc"]) for error in errors if error["type"] == "missing"]
+    if missing:
+        return f"it lacks {', '.join(missing)}"
+    first = errors[0]
+    if first["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        return f"{key(first['loc'])} is no field of snapshot version {SNAPSHOT_VERSION}"
+    return f"{key(first['loc'])}: {first['msg']}"
 
 
 def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appliance:
@@ -213,6 +201,7 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
     spec = plan.spec
     devices = tuple(sorted(set(gpu_devices(spec.models.target)) | set(draft_devices(spec))))
     gpu_nodes = tuple(f"/dev/nvidia{d.removeprefix('CUDA')}" for d in devices if d.startswith("CUDA"))
+    host_usable_bytes = plan.host.usable_bytes if plan.host else 0
     return Appliance(
         spec=spec,
         spec_file=spec_file,
@@ -233,7 +222,7 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
         planned_vram_bytes={b.device: b.used_bytes for b in plan.budgets},
         min_free_bytes=spec.health.min_free_mib << 20,
         planned_host_bytes=plan.host.used_bytes if plan.host else 0,
-        host_usable_bytes=plan.host.usable_bytes if plan.host else 0,
+        host_usable_bytes=host_usable_bytes,
         slot_ctx=spec.server.slot_ctx,
         state_file=state_dir / "health-state.json",
         baseline_file=spec.health.baseline_file,
