@@ -233,7 +233,7 @@ def test_the_planned_host_bytes_are_resolved_and_bound_the_server_unit(example: 
     assert f"\nMemoryHigh={-(-int(HOST_MIB * MIB * 0.9) // MIB)}M\n" in unit
     assert "MemoryHigh=720M" in unit  # 800 MiB x 0.9
     # a snapshot without the fields is refused (tests/test_snapshot.py), and an unknown host renders no MemoryHigh=
-    unknown = dataclasses.replace(appliance, planned_host_bytes=0, host_usable_bytes=0)
+    unknown = dataclasses.replace(appliance, planned_host_bytes=0, host_usable_bytes=0, memory_high_mib=None)
     assert "MemoryHigh" not in render(unknown)["etc/systemd/system/llm-appliance-server.service"]
 
 

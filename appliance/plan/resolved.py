@@ -10,6 +10,7 @@ is always what was applied and checked, whatever the spec file on disk says sinc
 from __future__ import annotations
 
 import json
+import urllib.parse
 from collections import Counter
 from dataclasses import dataclass
 from functools import cache
@@ -18,6 +19,7 @@ from typing import Any, ClassVar
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
+from appliance.plan.budget import MIB
 from appliance.plan.devices import draft_devices, gpu_devices
 from appliance.plan.plan import Plan
 from appliance.spec.address import host_port, ip_address, is_ipv6, is_loopback, is_wildcard, network_of
@@ -91,11 +93,16 @@ class Appliance:
     alias: str  # the model's name in the API (--alias): what clients send as `model`
     server: Endpoint
     exporter: Endpoint
+    peers: tuple[Endpoint, ...]  # each fleet peer's exporter, whose /ready a restart reads (none alone)
+    allow_v4: tuple[str, ...]  # network.allow, IPv4 networks
+    allow_v6: tuple[str, ...]  # ...and IPv6 ones
+    egress_deny: bool  # network.egress = "deny": the units and the ruleset filter what the appliance dials
     api_key_file: Path | None
     scrape_key_file: Path | None  # what the llama-server scrape job sends as its bearer token
     draft_in_use: bool
     speculation: bool  # llama-server speculates: with its draft model, or n-gram types without one
     on_gpu: bool  # the target model is offloaded to a GPU
+    mlock: bool  # load_mode locks the weights in RAM
     server_devices: tuple[str, ...]  # every GPU the server uses (target and draft)
     server_device_nodes: tuple[str, ...]  # what the server's sandbox opens for them (read-write)
     health_device_nodes: tuple[str, ...]  # what NVML opens for the health daemon (read-write)
@@ -103,6 +110,8 @@ class Appliance:
     min_free_bytes: int
     planned_host_bytes: int  # the host budget's use; 0 when the machine's RAM was unknown
     host_usable_bytes: int  # what validation held it to (MemTotal x host_memory_utilization); 0: unknown
+    memory_high_mib: int | None  # the server unit's MemoryHigh=: host_usable_bytes in MiB, rounded up
+    health_watchdog_seconds: int  # the health unit's WatchdogSec=: three intervals, at least 30 s
     slot_ctx: int
     state_file: Path
     baseline_file: Path
@@ -120,14 +129,13 @@ class Appliance:
         """The server unit's IPAddressAllow= besides localhost: network.allow (IPv4 first) and the server's own
         address (the launcher's /health probe goes there). Only with egress = "deny": systemd's filter holds
         both directions, so with "allow" the unit has none and the nftables input chain filters the clients."""
-        allow = sorted(self.spec.network.allow, key=is_ipv6)
-        return _unique((*allow, *self.server.own_address))
+        return _unique((*self.allow_v4, *self.allow_v6, *self.server.own_address))
 
     @property
     def health_ip_allow(self) -> tuple[str, ...]:
         """The health unit's IPAddressAllow= besides localhost: the server's own address (the daemon probes it
         there) and, when the exporter listens beyond loopback, network.allow and the exporter's own address."""
-        allow = sorted(self.spec.network.allow, key=is_ipv6)
+        allow = (*self.allow_v4, *self.allow_v6)
         exporter = () if self.exporter.loopback_only else (*allow, *self.exporter.own_address)
         return _unique((*self.server.own_address, *exporter))
 
@@ -201,6 +209,7 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
     spec = plan.spec
     devices = tuple(sorted(set(gpu_devices(spec.models.target)) | set(draft_devices(spec))))
     gpu_nodes = tuple(f"/dev/nvidia{d.removeprefix('CUDA')}" for d in devices if d.startswith("CUDA"))
+    peers = [urllib.parse.urlsplit(url) for url in spec.fleet.peers.values()] if spec.fleet else []
     host_usable_bytes = plan.host.usable_bytes if plan.host else 0
     return Appliance(
         spec=spec,
@@ -210,12 +219,17 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
         alias=plan.alias,
         server=Endpoint(spec.server.host, spec.server.port),
         exporter=Endpoint(spec.prometheus.host, spec.prometheus.port),
+        peers=tuple(Endpoint(peer.hostname or "", peer.port or 80) for peer in peers),
+        allow_v4=tuple(cidr for cidr in spec.network.allow if not is_ipv6(cidr)),
+        allow_v6=tuple(cidr for cidr in spec.network.allow if is_ipv6(cidr)),
+        egress_deny=spec.network.egress == "deny",
         api_key_file=spec.server.api_key_file,
         # validate refuses a key file of several keys without a scrape key of its own
         scrape_key_file=spec.prometheus.scrape_key_file or spec.server.api_key_file,
         draft_in_use=plan.draft_in_use,
         speculation=plan.speculation,
         on_gpu=bool(gpu_devices(spec.models.target)),
+        mlock="mlock" in spec.server.load_mode,
         server_devices=devices,
         server_device_nodes=gpu_nodes + GPU_COMMON_NODES if devices else (),
         health_device_nodes=(NVIDIA_CONTROL, *gpu_nodes) if devices else (),
@@ -223,6 +237,9 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
         min_free_bytes=spec.health.min_free_mib << 20,
         planned_host_bytes=plan.host.used_bytes if plan.host else 0,
         host_usable_bytes=host_usable_bytes,
+        memory_high_mib=-(-host_usable_bytes // MIB) or None,
+        # The daemon beats after each check, every interval: three missed (never under 30 s) and systemd kills it.
+        health_watchdog_seconds=max(3 * spec.health.interval_seconds, 30),
         slot_ctx=spec.server.slot_ctx,
         state_file=state_dir / "health-state.json",
         baseline_file=spec.health.baseline_file,
