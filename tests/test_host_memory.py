@@ -232,12 +232,9 @@ def test_the_planned_host_bytes_are_resolved_and_bound_the_server_unit(example: 
     unit = render(appliance)["etc/systemd/system/llm-appliance-server.service"]
     assert f"\nMemoryHigh={-(-int(HOST_MIB * MIB * 0.9) // MIB)}M\n" in unit
     assert "MemoryHigh=720M" in unit  # 800 MiB x 0.9
-    # a snapshot from before the field reads as "unknown", and an unknown host renders no MemoryHigh=
-    document = appliance.document()
-    del document["resolved"]["planned_host_bytes"], document["resolved"]["host_usable_bytes"]
-    old = Appliance.from_document(document)
-    assert (old.planned_host_bytes, old.host_usable_bytes) == (0, 0)
-    assert "MemoryHigh" not in render(old)["etc/systemd/system/llm-appliance-server.service"]
+    # a snapshot without the fields is refused (tests/test_snapshot.py), and an unknown host renders no MemoryHigh=
+    unknown = dataclasses.replace(appliance, planned_host_bytes=0, host_usable_bytes=0, memory_high_mib=None)
+    assert "MemoryHigh" not in render(unknown)["etc/systemd/system/llm-appliance-server.service"]
 
 
 def test_a_spec_load_keeps_the_new_fields(example: Callable[..., Path]) -> None:

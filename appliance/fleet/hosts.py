@@ -10,7 +10,6 @@ host's spec file for the rest.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from tomlkit.items import Table
 from appliance import __version__
 from appliance.fleet.load import LoadedFleet
 from appliance.fleet.model import Balancer, Host, Rules
+from appliance.spec.address import host_port, network_of
 from appliance.spec.load import KeyLines, LoadedSpec, locate, parse_spec, parse_toml, read_text
 from appliance.spec.model import Network, Prometheus
 from appliance.spec.problems import Problem, SpecInvalid
@@ -93,7 +93,7 @@ def derive(fleet: LoadedFleet, host: Host) -> HostSpec:
     allow = document.get("network", {}).get("allow", Network().allow)
     # The peers read this host's /ready before they restart (the min_ready guard): they are clients too.
     peers = [h.address for h in f.hosts if h != host]
-    extra = [_network(a) for a in (f.balancer.address, f.prometheus.address, *peers) if a is not None]
+    extra = [network_of(a) for a in (f.balancer.address, f.prometheus.address, *peers) if a is not None]
     _table(document, "network")["allow"] = list(dict.fromkeys([*(str(a) for a in allow), *extra]))
     _table(document, "restart")["schedule"] = schedule(f.rules, fleet.index(host))
     document["fleet"] = _member(fleet, host)
@@ -142,8 +142,7 @@ def ready_url(host: Host, document: Any) -> str:
     port = document.get("prometheus", {}).get("port", Prometheus().port)
     # A port of the wrong type is reported when that host's own spec is checked; here any number will do.
     port = port if isinstance(port, int) and not isinstance(port, bool) else Prometheus().port
-    address = f"[{host.address}]" if ":" in host.address else host.address
-    return f"http://{address}:{port}/ready"
+    return f"http://{host_port(host.address, port)}/ready"
 
 
 def _merged(fleet: LoadedFleet, host: Host) -> Any:
@@ -171,7 +170,3 @@ def _merge(table: Any, values: dict[str, Any]) -> None:
             _merge(table[key], value)
         else:
             table[key] = value
-
-
-def _network(address: str) -> str:
-    return str(ipaddress.ip_network(address))

@@ -7,13 +7,13 @@ the shared one (or its own), with `overrides` merged over it table by table; the
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, field_validator
 
+from appliance.spec.address import ip_address
 from appliance.spec.base import FilePath, Line, Strict
 
 HOST_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -23,12 +23,8 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 
 def _ip(value: str) -> str:
     # An address, not a name: it goes into network.allow (as a /32 or /128) and into haproxy.cfg verbatim.
-    try:
-        if "%" in value:
-            raise ValueError
-        ipaddress.ip_address(value)
-    except ValueError:
-        raise ValueError(f"{value!r} is not an IP address; write the address, e.g. 192.168.1.11") from None
+    if ip_address(value) is None:
+        raise ValueError(f"{value!r} is not an IP address; write the address, e.g. 192.168.1.11")
     return value
 
 

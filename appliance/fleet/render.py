@@ -20,7 +20,9 @@ from appliance.fleet.model import Fleet, Host
 from appliance.plan.resolved import Appliance, resolve
 from appliance.plan.validate import validate_loaded
 from appliance.render.apply import installed_spec_path
+from appliance.render.promql import quoted
 from appliance.render.render import duration, render, template
+from appliance.spec.address import host_port
 from appliance.spec.problems import Problem, Severity, SpecInvalid, error, warning
 
 HAPROXY_CFG = "balancer/etc/haproxy/haproxy.cfg"
@@ -154,18 +156,14 @@ def _haproxy(f: Fleet, members: list[FleetHost], header: str) -> HaproxyView:
         connect_timeout=f"{b.connect_timeout_seconds}s",
         server_timeout=f"{b.server_timeout_seconds}s",
         queue_timeout=f"{b.queue_timeout_seconds}s",
-        api_bind=_address(b.address, b.port),
-        stats_bind=_address(b.address, b.stats_port),
+        api_bind=host_port(b.address, b.port),
+        stats_bind=host_port(b.address, b.stats_port),
         retries=b.retries,
         check_interval=f"{b.check_interval_seconds}s",
         fall=b.fall,
         rise=b.rise,
         hosts=servers,
     )
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _prometheus(fleet: LoadedFleet, members: list[FleetHost], header: str) -> dict[str, str]:
@@ -181,7 +179,7 @@ def _prometheus(fleet: LoadedFleet, members: list[FleetHost], header: str) -> di
     found = {
         "health": targets([(m.name, m.appliance.exporter.address) for m in members]),
         "server": targets([(m.name, m.appliance.server.address) for m in members]),
-        "balancer": targets([("balancer", _address(f.balancer.address, f.balancer.stats_port))]),
+        "balancer": targets([("balancer", host_port(f.balancer.address, f.balancer.stats_port))]),
     }
     files = {f"{PROMETHEUS}/targets/{JOBS[job]}.json": text for job, text in found.items()}
     keys = {m.appliance.scrape_key_file for m in members}
@@ -191,13 +189,13 @@ def _prometheus(fleet: LoadedFleet, members: list[FleetHost], header: str) -> di
         "header": header,
         "files_dir": str(files_dir),
         "scrape_interval": f"{interval}s",
-        "scrape_key_file": json.dumps(str(key)) if key else None,
-        "targets": {job: json.dumps(str(files_dir / f"{JOBS[job]}.json")) for job in JOBS},
+        "scrape_key_file": quoted(str(key)) if key else None,
+        "targets": {job: quoted(str(files_dir / f"{JOBS[job]}.json")) for job in JOBS},
     }
     files[f"{PROMETHEUS}/scrape.yml"] = template("fleet/scrape.yml.j2").render(v=scrape)
     drain = f.balancer.check_interval_seconds * f.balancer.fall
     idle = max(m.appliance.spec.restart.idle_timeout_seconds for m in members)
-    name = json.dumps(f.fleet.name)
+    name = quoted(f.fleet.name)
     rules = {
         "header": header,
         "name": f.fleet.name,
@@ -207,7 +205,7 @@ def _prometheus(fleet: LoadedFleet, members: list[FleetHost], header: str) -> di
         "below_min_ready_for": duration(f.rules.below_min_ready_alert_seconds),
         # Draining lasts the balancer's drain and the longest wait for idle; past both (and a margin), it is stuck.
         "draining_for": duration(drain + idle + 300),
-        "balancer": _address(f.balancer.address, f.balancer.stats_port),
+        "balancer": host_port(f.balancer.address, f.balancer.stats_port),
         "selectors": {
             "ready": f"llm_appliance_ready{{appliance={name}}}",
             "draining": f"llm_appliance_draining{{appliance={name}}}",

@@ -20,6 +20,8 @@ from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import RestrictedRegistry
 
+from appliance.spec.address import is_ipv6
+
 PREFIX = "llm_appliance"
 RESTART_REASONS = ("decay", "creep", "headroom", "hang", "not_on_gpu", "scheduled", "manual")
 CANARY_OUTCOMES = ("ok", "slow", "failed")  # slow: below decay_ratio x its baseline
@@ -319,7 +321,7 @@ def serve(metrics: Metrics, host: str, port: int, readiness: Readiness | None = 
     """The exporter in a thread of its own: /metrics (and every other path) and /ready. Port 0 picks a free one."""
     # wsgiref's server is IPv4 unless told: an exporter on ::1 or an IPv6 address needs AF_INET6.
     family = (
-        type("Server", (_ThreadingServer,), {"address_family": socket.AF_INET6}) if ":" in host else _ThreadingServer
+        type("Server", (_ThreadingServer,), {"address_family": socket.AF_INET6}) if is_ipv6(host) else _ThreadingServer
     )
     try:
         server: WSGIServer = make_server(

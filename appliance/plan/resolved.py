@@ -9,23 +9,28 @@ is always what was applied and checked, whatever the spec file on disk says sinc
 
 from __future__ import annotations
 
-import ipaddress
 import json
+import urllib.parse
 from collections import Counter
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import ValidationError
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
+from appliance.plan.budget import MIB
 from appliance.plan.devices import draft_devices, gpu_devices
 from appliance.plan.plan import Plan
+from appliance.spec.address import host_port, ip_address, is_ipv6, is_loopback, is_wildcard, network_of
 from appliance.spec.model import Spec
 from appliance.system import paths
 
-SNAPSHOT_VERSION = 1
+# The snapshot's format: its fields are the Appliance's, every one required. A snapshot of another version
+# (or lacking a field) is refused, and apply writes a new one: it never reads as something it does not say.
+SNAPSHOT_VERSION = 2
 SNAPSHOT = paths.RENDERED / "appliance.json"
-LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+REAPPLY = "re-run `llm-appliance apply SPEC`"
 PRIVILEGED_PORTS = 1024  # below it binding needs CAP_NET_BIND_SERVICE (net.ipv4.ip_unprivileged_port_start)
 # Device nodes a CUDA process opens besides /dev/nvidiaN of its GPUs (nvidia-uvm-tools is for profilers);
 # NVML opens only the control node and the GPUs', read-write like CUDA.
@@ -39,22 +44,27 @@ class SnapshotError(Exception):
 
 @dataclass(frozen=True)
 class Endpoint:
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
+
     host: str
     port: int
 
     @property
     def address(self) -> str:
         """host:port as a client dials it: a wildcard listener is reached on loopback."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return host_port("127.0.0.1" if is_wildcard(self.host) else self.host, self.port)
 
     @property
     def url(self) -> str:
         return f"http://{self.address}"
 
     @property
+    def ipv6(self) -> bool:
+        return is_ipv6(self.host)
+
+    @property
     def loopback_only(self) -> bool:
-        return self.host in LOOPBACK_HOSTS
+        return is_loopback(self.host)
 
     @property
     def privileged(self) -> bool:
@@ -65,15 +75,17 @@ class Endpoint:
     def own_address(self) -> tuple[str, ...]:
         """The one non-loopback address of this machine it listens on, as a network (none for loopback or a
         wildcard): its probes and local clients dial it there, and come from it, past the units' IP filters."""
-        try:
-            address = ipaddress.ip_address(self.host)
-        except ValueError:  # localhost (prometheus.host is not checked to be an address)
-            return ()
-        return () if address.is_loopback or address.is_unspecified else (str(ipaddress.ip_network(address)),)
+        if ip_address(self.host) is None or is_loopback(self.host) or is_wildcard(self.host):
+            return ()  # localhost (prometheus.host is not checked to be an address)
+        return (network_of(self.host),)
 
 
 @dataclass(frozen=True)
 class Appliance:
+    """Each field is one line of the snapshot (`spec` and `spec_file` at its top, the rest under "resolved")."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
+
     spec: Spec
     spec_file: Path  # where apply installs the spec; the units and alerts name it
     binary: str
@@ -81,11 +93,16 @@ class Appliance:
     alias: str  # the model's name in the API (--alias): what clients send as `model`
     server: Endpoint
     exporter: Endpoint
+    peers: tuple[Endpoint, ...]  # each fleet peer's exporter, whose /ready a restart reads (none alone)
+    allow_v4: tuple[str, ...]  # network.allow, IPv4 networks
+    allow_v6: tuple[str, ...]  # ...and IPv6 ones
+    egress_deny: bool  # network.egress = "deny": the units and the ruleset filter what the appliance dials
     api_key_file: Path | None
     scrape_key_file: Path | None  # what the llama-server scrape job sends as its bearer token
     draft_in_use: bool
     speculation: bool  # llama-server speculates: with its draft model, or n-gram types without one
     on_gpu: bool  # the target model is offloaded to a GPU
+    mlock: bool  # load_mode locks the weights in RAM
     server_devices: tuple[str, ...]  # every GPU the server uses (target and draft)
     server_device_nodes: tuple[str, ...]  # what the server's sandbox opens for them (read-write)
     health_device_nodes: tuple[str, ...]  # what NVML opens for the health daemon (read-write)
@@ -93,13 +110,15 @@ class Appliance:
     min_free_bytes: int
     planned_host_bytes: int  # the host budget's use; 0 when the machine's RAM was unknown
     host_usable_bytes: int  # what validation held it to (MemTotal x host_memory_utilization); 0: unknown
+    memory_high_mib: int | None  # the server unit's MemoryHigh=: host_usable_bytes in MiB, rounded up
+    health_watchdog_seconds: int  # the health unit's WatchdogSec=: three intervals, at least 30 s
     slot_ctx: int
     state_file: Path
     baseline_file: Path
     # Files each unit binds read-only out of a home directory its ProtectHome= hides ("-": may be missing).
-    server_binds: tuple[str, ...] = ()
-    health_binds: tuple[str, ...] = ()
-    restart_binds: tuple[str, ...] = ()
+    server_binds: tuple[str, ...]
+    health_binds: tuple[str, ...]
+    restart_binds: tuple[str, ...]
 
     @property
     def health_url(self) -> str:
@@ -110,14 +129,13 @@ class Appliance:
         """The server unit's IPAddressAllow= besides localhost: network.allow (IPv4 first) and the server's own
         address (the launcher's /health probe goes there). Only with egress = "deny": systemd's filter holds
         both directions, so with "allow" the unit has none and the nftables input chain filters the clients."""
-        allow = sorted(self.spec.network.allow, key=lambda cidr: ":" in cidr)
-        return _unique((*allow, *self.server.own_address))
+        return _unique((*self.allow_v4, *self.allow_v6, *self.server.own_address))
 
     @property
     def health_ip_allow(self) -> tuple[str, ...]:
         """The health unit's IPAddressAllow= besides localhost: the server's own address (the daemon probes it
         there) and, when the exporter listens beyond loopback, network.allow and the exporter's own address."""
-        allow = sorted(self.spec.network.allow, key=lambda cidr: ":" in cidr)
+        allow = (*self.allow_v4, *self.allow_v6)
         exporter = () if self.exporter.loopback_only else (*allow, *self.exporter.own_address)
         return _unique((*self.server.own_address, *exporter))
 
@@ -125,73 +143,25 @@ class Appliance:
 
     def document(self) -> dict[str, Any]:
         """JSON-ready: the spec as written (normalised) and the resolved facts beside it."""
-        return {
-            "snapshot_version": SNAPSHOT_VERSION,
-            "spec_file": str(self.spec_file),
-            "spec": _spec_document(self.spec),
-            "resolved": {
-                "binary": self.binary,
-                "argv": list(self.argv),
-                "alias": self.alias,
-                "server": {"host": self.server.host, "port": self.server.port},
-                "exporter": {"host": self.exporter.host, "port": self.exporter.port},
-                "api_key_file": str(self.api_key_file) if self.api_key_file else None,
-                "scrape_key_file": str(self.scrape_key_file) if self.scrape_key_file else None,
-                "draft_in_use": self.draft_in_use,
-                "speculation": self.speculation,
-                "on_gpu": self.on_gpu,
-                "server_devices": list(self.server_devices),
-                "server_device_nodes": list(self.server_device_nodes),
-                "health_device_nodes": list(self.health_device_nodes),
-                "planned_vram_bytes": dict(self.planned_vram_bytes),
-                "min_free_bytes": self.min_free_bytes,
-                "planned_host_bytes": self.planned_host_bytes,
-                "host_usable_bytes": self.host_usable_bytes,
-                "slot_ctx": self.slot_ctx,
-                "state_file": str(self.state_file),
-                "baseline_file": str(self.baseline_file),
-                "server_binds": list(self.server_binds),
-                "health_binds": list(self.health_binds),
-                "restart_binds": list(self.restart_binds),
-            },
-        }
+        resolved = _snapshot().dump_python(self, mode="json", exclude={"spec"})
+        spec_file = resolved.pop("spec_file")
+        spec = _spec_document(self.spec)
+        return {"snapshot_version": SNAPSHOT_VERSION, "spec_file": spec_file, "spec": spec, "resolved": resolved}
 
     @classmethod
-    def from_document(cls, document: dict[str, Any]) -> Appliance:
+    def from_document(cls, document: Any) -> Appliance:
+        """The appliance a document() holds; SnapshotError for another version or a field missing or wrong."""
+        if not isinstance(document, dict) or not isinstance(document.get("resolved"), dict):
+            raise SnapshotError(f"not an applied appliance; {REAPPLY}")
         if document.get("snapshot_version") != SNAPSHOT_VERSION:
-            raise ValueError(f"snapshot version {document.get('snapshot_version')!r}, expected {SNAPSHOT_VERSION}")
-        r = document["resolved"]
-        key, scrape_key = r["api_key_file"], r.get("scrape_key_file")
-        spec = Spec.model_validate(document["spec"], strict=False)
-        return cls(
-            spec=spec,
-            spec_file=Path(document["spec_file"]),
-            binary=str(r["binary"]),
-            argv=tuple(str(a) for a in r["argv"]),
-            # Applied before --alias: llama-server named the model by its path.
-            alias=str(r.get("alias", spec.models.target.path)),
-            server=Endpoint(str(r["server"]["host"]), int(r["server"]["port"])),
-            exporter=Endpoint(str(r["exporter"]["host"]), int(r["exporter"]["port"])),
-            api_key_file=Path(key) if key else None,
-            scrape_key_file=Path(scrape_key) if scrape_key else None,
-            draft_in_use=bool(r["draft_in_use"]),
-            # Applied before n-gram speculation was told apart: only a draft speculated that the launcher checked.
-            speculation=bool(r.get("speculation", r["draft_in_use"])),
-            on_gpu=bool(r["on_gpu"]),
-            server_devices=tuple(str(d) for d in r["server_devices"]),
-            server_device_nodes=tuple(str(n) for n in r["server_device_nodes"]),
-            health_device_nodes=tuple(str(n) for n in r["health_device_nodes"]),
-            planned_vram_bytes={str(k): int(v) for k, v in r["planned_vram_bytes"].items()},
-            min_free_bytes=int(r["min_free_bytes"]),
-            planned_host_bytes=int(r.get("planned_host_bytes", 0)),
-            host_usable_bytes=int(r.get("host_usable_bytes", 0)),
-            slot_ctx=int(r["slot_ctx"]),
-            state_file=Path(r["state_file"]),
-            baseline_file=Path(r["baseline_file"]),
-            server_binds=tuple(str(b) for b in r["server_binds"]),
-            health_binds=tuple(str(b) for b in r["health_binds"]),
-            restart_binds=tuple(str(b) for b in r["restart_binds"]),
-        )
+            version = document.get("snapshot_version")
+            raise SnapshotError(f"snapshot version {version!r}, expected {SNAPSHOT_VERSION}; {REAPPLY}")
+        fields = {**document["resolved"], **{k: document[k] for k in ("spec", "spec_file") if k in document}}
+        try:
+            # JSON's types: a list for a tuple, a string for a path.
+            return _snapshot().validate_python(fields, strict=False)
+        except ValidationError as exc:
+            raise SnapshotError(f"{_invalid(exc)}; {REAPPLY}") from None
 
     def to_json(self, header: str) -> str:
         return json.dumps({"generated": header, **self.document()}, indent=2, sort_keys=True) + "\n"
@@ -200,12 +170,38 @@ class Appliance:
     def read(cls, path: Path = SNAPSHOT) -> Appliance:
         """The applied appliance, as the units start it."""
         try:
-            return cls.from_document(json.loads(path.read_text()))
+            document = json.loads(path.read_text())
         except FileNotFoundError:
             raise SnapshotError(f"{path} does not exist: nothing is applied; run `llm-appliance apply SPEC`") from None
-        except (OSError, ValueError, KeyError, TypeError, ValidationError) as exc:
+        except (OSError, ValueError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise SnapshotError(f"cannot read {path}: {reason}; re-run `llm-appliance apply SPEC`") from None
+            raise SnapshotError(f"cannot read {path}: {reason}; {REAPPLY}") from None
+        try:
+            return cls.from_document(document)
+        except SnapshotError as exc:
+            raise SnapshotError(f"cannot read {path}: {exc}") from None
+
+
+@cache
+def _snapshot() -> TypeAdapter[Appliance]:
+    return TypeAdapter(Appliance)
+
+
+def _invalid(exc: ValidationError) -> str:
+    """What is wrong with a snapshot, by its keys: every field missing, else the first one unknown or wrong."""
+
+    def key(loc: tuple[int | str, ...]) -> str:
+        name = ".".join(str(part) for part in loc)
+        return name if loc[0] in ("spec", "spec_file") else f"resolved.{name}"
+
+    errors = exc.errors()
+    missing = [key(error["loc"]) for error in errors if error["type"] == "missing"]
+    if missing:
+        return f"it lacks {', '.join(missing)}"
+    first = errors[0]
+    if first["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        return f"{key(first['loc'])} is no field of snapshot version {SNAPSHOT_VERSION}"
+    return f"{key(first['loc'])}: {first['msg']}"
 
 
 def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appliance:
@@ -213,6 +209,8 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
     spec = plan.spec
     devices = tuple(sorted(set(gpu_devices(spec.models.target)) | set(draft_devices(spec))))
     gpu_nodes = tuple(f"/dev/nvidia{d.removeprefix('CUDA')}" for d in devices if d.startswith("CUDA"))
+    peers = [urllib.parse.urlsplit(url) for url in spec.fleet.peers.values()] if spec.fleet else []
+    host_usable_bytes = plan.host.usable_bytes if plan.host else 0
     return Appliance(
         spec=spec,
         spec_file=spec_file,
@@ -221,19 +219,27 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
         alias=plan.alias,
         server=Endpoint(spec.server.host, spec.server.port),
         exporter=Endpoint(spec.prometheus.host, spec.prometheus.port),
+        peers=tuple(Endpoint(peer.hostname or "", peer.port or 80) for peer in peers),
+        allow_v4=tuple(cidr for cidr in spec.network.allow if not is_ipv6(cidr)),
+        allow_v6=tuple(cidr for cidr in spec.network.allow if is_ipv6(cidr)),
+        egress_deny=spec.network.egress == "deny",
         api_key_file=spec.server.api_key_file,
         # validate refuses a key file of several keys without a scrape key of its own
         scrape_key_file=spec.prometheus.scrape_key_file or spec.server.api_key_file,
         draft_in_use=plan.draft_in_use,
         speculation=plan.speculation,
         on_gpu=bool(gpu_devices(spec.models.target)),
+        mlock="mlock" in spec.server.load_mode,
         server_devices=devices,
         server_device_nodes=gpu_nodes + GPU_COMMON_NODES if devices else (),
         health_device_nodes=(NVIDIA_CONTROL, *gpu_nodes) if devices else (),
         planned_vram_bytes={b.device: b.used_bytes for b in plan.budgets},
         min_free_bytes=spec.health.min_free_mib << 20,
         planned_host_bytes=plan.host.used_bytes if plan.host else 0,
-        host_usable_bytes=plan.host.usable_bytes if plan.host else 0,
+        host_usable_bytes=host_usable_bytes,
+        memory_high_mib=-(-host_usable_bytes // MIB) or None,
+        # The daemon beats after each check, every interval: three missed (never under 30 s) and systemd kills it.
+        health_watchdog_seconds=max(3 * spec.health.interval_seconds, 30),
         slot_ctx=spec.server.slot_ctx,
         state_file=state_dir / "health-state.json",
         baseline_file=spec.health.baseline_file,

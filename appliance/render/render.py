@@ -6,7 +6,6 @@ no arithmetic, no string surgery, no lists built in a template.
 
 from __future__ import annotations
 
-import urllib.parse
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -15,11 +14,9 @@ from pathlib import Path
 import jinja2
 
 from appliance import __version__
-from appliance.plan.budget import MIB
 from appliance.plan.resolved import SNAPSHOT, Appliance, Endpoint
 from appliance.render.dashboard import dashboard_json
 from appliance.render.promql import label_matchers, quoted, series
-from appliance.spec.model import Spec
 from appliance.system import paths
 
 
@@ -47,12 +44,12 @@ class View:
     server_binds: tuple[str, ...]  # BindReadOnlyPaths= of each unit, quoted (sandbox.py refused the rest)
     health_binds: tuple[str, ...]
     restart_binds: tuple[str, ...]
-    memory_high: str | None  # MemoryHigh= of the server unit: the host budget's usable RAM, in MiB
+    memory_high_mib: int | None  # MemoryHigh= of the server unit: the host budget's usable RAM
     allow_v4: str  # nftables set elements, comma-separated
     allow_v6: str
     server_allow: tuple[str, ...]  # IPAddressAllow= of the server unit, besides localhost
     health_allow: tuple[str, ...]  # ...of the health unit
-    peer_egress: tuple[str, ...]  # nft matches for each fleet peer's exporter, e.g. "ip daddr 10.0.0.12 tcp dport 9478"
+    peers: tuple[Endpoint, ...]  # each fleet peer's exporter, which the health daemon dials for /ready
     egress_deny: bool  # also: the server unit filters IP addresses (systemd's filter holds both directions)
     schedule: str
     randomized_delay_seconds: int
@@ -80,23 +77,8 @@ class View:
     alert_for: dict[str, str]  # alert (AlertForSeconds field) -> its `for:` as a Prometheus duration
 
 
-def _peer_egress(spec: Spec) -> tuple[str, ...]:
-    """The fleet peers' /ready, which the health daemon reads before it restarts (the min_ready guard)."""
-    if spec.fleet is None:
-        return ()
-    found = []
-    for url in spec.fleet.peers.values():
-        parsed = urllib.parse.urlsplit(url)
-        family = "ip6" if ":" in (parsed.hostname or "") else "ip"
-        found.append(f"{family} daddr {parsed.hostname} tcp dport {parsed.port or 80}")
-    return tuple(found)
-
-
 def view(appliance: Appliance) -> View:
     spec = appliance.spec
-    allow = spec.network.allow
-    allow_v4 = tuple(a for a in allow if ":" not in a)
-    allow_v6 = tuple(a for a in allow if ":" in a)
     header = f"generated from {appliance.spec_file} by llm-appliance {__version__}; edit the spec and run `llm-appliance apply`, not this file"
     labels = sorted(spec.prometheus.labels.items())
     return View(
@@ -118,21 +100,21 @@ def view(appliance: Appliance) -> View:
         on_gpu_devices=bool(appliance.server_devices),
         server_device_nodes=appliance.server_device_nodes,
         health_device_nodes=appliance.health_device_nodes,
-        mlock="mlock" in spec.server.load_mode,
+        mlock=appliance.mlock,
         server_binds=tuple(f'"{path}"' for path in appliance.server_binds),
         health_binds=tuple(f'"{path}"' for path in appliance.health_binds),
         restart_binds=tuple(f'"{path}"' for path in appliance.restart_binds),
-        memory_high=f"{-(-appliance.host_usable_bytes // MIB)}M" if appliance.host_usable_bytes else None,
-        allow_v4=", ".join(allow_v4),
-        allow_v6=", ".join(allow_v6),
+        memory_high_mib=appliance.memory_high_mib,
+        allow_v4=", ".join(appliance.allow_v4),
+        allow_v6=", ".join(appliance.allow_v6),
         server_allow=appliance.server_ip_allow,
         health_allow=appliance.health_ip_allow,
-        peer_egress=_peer_egress(spec),
-        egress_deny=spec.network.egress == "deny",
+        peers=appliance.peers,
+        egress_deny=appliance.egress_deny,
         schedule=spec.restart.schedule,
         randomized_delay_seconds=spec.restart.randomized_delay_seconds,
         watchdog_seconds=spec.health.watchdog_seconds,
-        health_watchdog_seconds=max(3 * spec.health.interval_seconds, 30),
+        health_watchdog_seconds=appliance.health_watchdog_seconds,
         restart_unit=paths.RESTART_UNIT,
         server_unit=paths.SERVER_UNIT,
         health_unit=paths.HEALTH_UNIT,

@@ -4,7 +4,6 @@ no coercion)."""
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import unicodedata
 from pathlib import Path
@@ -17,6 +16,7 @@ from pydantic import (
     Field,
 )
 
+from appliance.spec.address import ip_address
 from appliance.system import paths
 
 CacheType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "iq4_nl", "q4_1", "q4_0"]
@@ -61,16 +61,10 @@ def _one_line_path(value: Path) -> Path:
 
 
 def _address(value: str) -> str:
-    if value == "localhost":
-        return value
-    try:
-        if "%" in value:  # an IPv6 zone (fe80::1%eth0): systemd's IPAddressAllow= and nft take none
-            raise ValueError
-        ipaddress.ip_address(value)
-    except ValueError:
+    if value != "localhost" and ip_address(value) is None:
         raise ValueError(
             f"{value!r} is not an IP address; use 127.0.0.1, ::1, 0.0.0.0 or one of this machine's addresses"
-        ) from None
+        )
     return value
 
 

@@ -18,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from appliance.spec.address import bracketed, is_ipv6, is_loopback
 from appliance.spec.base import (
     DEFAULT_BINARY,
     DEVICE_NAME,
@@ -99,7 +100,7 @@ class Server(Strict):
 
     @property
     def host_is_loopback(self) -> bool:
-        return self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
+        return is_loopback(self.host)
 
 
 def canonical_origin(text: str) -> str | None:
@@ -116,9 +117,9 @@ def canonical_origin(text: str) -> str | None:
         return None
     if not re.fullmatch(r"[a-z0-9.-]+|[0-9a-f:.]+", host) or host.startswith(".") or ".." in host:
         return None
-    if ":" in host:
+    if is_ipv6(host):
         try:
-            host = f"[{ipaddress.IPv6Address(host).compressed}]"
+            host = bracketed(ipaddress.IPv6Address(host).compressed)
         except ValueError:
             return None
     default = {"http": 80, "https": 443}[scheme]
