@@ -217,6 +217,39 @@ def test_acceptance_is_no_drafts_yet_until_drafts_are_counted() -> None:
     assert not any(line.startswith("draft") for line in report(_seen()).splitlines())
 
 
+def test_the_share_other_processes_took_is_shown_and_a_shared_box_is_degraded() -> None:
+    from appliance.ops.status import assess
+
+    quiet = _seen(
+        metrics={
+            "llm_appliance_contention_share": [({"resource": "cpu"}, 0.04)],
+            "llm_appliance_contended": [({}, 0.0)],
+            "llm_appliance_decode_contended_samples_total": [({}, 0.0)],
+        }
+    )
+    assert "machine  other processes used 4% of the CPUs; not contended (0 samples so far)" in report(quiet)
+    assert assess(quiet) == ("healthy", [])
+    shared = _seen(
+        metrics={
+            "llm_appliance_contention_share": [({"resource": "cpu"}, 0.85), ({"resource": "gpu"}, 0.0)],
+            "llm_appliance_contended": [({}, 1.0)],
+            "llm_appliance_decode_contended_samples_total": [({}, 14.0)],
+        }
+    )
+    assert (
+        "machine  other processes used 85% of the CPUs, 0% of the GPU; contended: decode samples not judged "
+        "(14 samples so far)" in report(shared)
+    )
+    health, problems = assess(shared)
+    assert health == "degraded" and any("the box is shared" in p for p in problems)
+    assert shared.document()["contention"] == {
+        "share": {"cpu": 0.85, "gpu": 0.0},
+        "contended": True,
+        "contended_samples": 14.0,
+    }
+    assert not any(line.startswith("machine") for line in report(_seen()).splitlines())
+
+
 def test_energy_per_token_is_shown_where_a_meter_was_read() -> None:
     seen = _seen(metrics={"llm_appliance_energy_per_token_joules": [({"source": "nvml"}, 0.42)]})
     assert "energy   nvml 0.42 J/token" in report(seen).splitlines()

@@ -16,7 +16,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -89,6 +89,15 @@ class Status:
         """Decode with speculation over decode without it, by bucket (where the baseline measured both)."""
         return {labels["bucket"]: v for labels, v in self.metrics.get("llm_appliance_speculation_speedup", [])}
 
+    def contention(self) -> dict[str, object]:
+        """What else used the machine in the daemon's last check, and the samples it did not judge for it."""
+        shares = {labels["resource"]: v for labels, v in self.metrics.get("llm_appliance_contention_share", [])}
+        return {
+            "share": shares,
+            "contended": self.value("contended") == 1,
+            "contended_samples": self.value("decode_contended_samples_total"),
+        }
+
     def document(self) -> dict[str, object]:
         """--json: the same facts, for scripts."""
         shown = asdict(self)
@@ -97,6 +106,7 @@ class Status:
         }
         shown["speculation_speedup"] = self.speedups()
         shown["acceptance"] = self.acceptance()
+        shown["contention"] = self.contention()
         shown["exit_code"] = EXIT[self.health]
         return shown
 
@@ -166,6 +176,8 @@ def assess(seen: Status) -> tuple[Health, list[str]]:
                 degraded.append(words)
         if seen.value("draft_configured") == 1 and seen.value("speculation_engaged") == 0:
             degraded.append("a draft is configured and no drafts are made")
+        if seen.value("contended") == 1:
+            degraded.append("the box is shared: other processes take the CPUs or the GPU (decay is not judged)")
         for bucket, rate, baseline in _buckets(seen):
             if baseline and rate < seen.decay_ratio * baseline:
                 degraded.append(
@@ -227,6 +239,7 @@ def _screen(seen: Status) -> list[str]:
         gained = f", {gain:.2f}x the rate without speculation" if gain is not None else ""
         lines.append(f"decode   {bucket}: {rate:.1f} tok/s{against}{gained}")
     lines += _speculation(seen)
+    lines += _machine(seen)
     lines += _memory(seen)
     energy = [
         f"{labels['source']} {value:.2f} J/token"
@@ -268,6 +281,16 @@ def _speculation(seen: Status) -> list[str]:
         # n-gram types draft only once the output repeats earlier text: no drafts yet is no verdict.
         return [f"draft    n-gram lookup (no draft model), {drafts}"]
     return []
+
+
+def _machine(seen: Status) -> list[str]:
+    found = seen.contention()
+    shares = cast(dict[str, float], found["share"])
+    if not shares:
+        return []
+    used = ", ".join(f"{share:.0%} of the {'CPUs' if r == 'cpu' else 'GPU'}" for r, share in sorted(shares.items()))
+    verdict = "contended: decode samples not judged" if found["contended"] else "not contended"
+    return [f"machine  other processes used {used}; {verdict} ({found['contended_samples'] or 0:.0f} samples so far)"]
 
 
 def _memory(seen: Status) -> list[str]:
