@@ -22,6 +22,7 @@ from appliance.plan.validate import validate_loaded
 from appliance.render.apply import installed_spec_path
 from appliance.render.render import duration, render, template
 from appliance.spec.problems import Problem, Severity, SpecInvalid, error, warning
+from appliance.system import metric_names as metric
 
 HAPROXY_CFG = "balancer/etc/haproxy/haproxy.cfg"
 PROMETHEUS = "prometheus"
@@ -208,10 +209,11 @@ def _prometheus(fleet: LoadedFleet, members: list[FleetHost], header: str) -> di
         # Draining lasts the balancer's drain and the longest wait for idle; past both (and a margin), it is stuck.
         "draining_for": duration(drain + idle + 300),
         "balancer": _address(f.balancer.address, f.balancer.stats_port),
+        "metric_names": {"version_info": metric.VERSION_INFO},
         "selectors": {
-            "ready": f"llm_appliance_ready{{appliance={name}}}",
-            "draining": f"llm_appliance_draining{{appliance={name}}}",
-            "fleet_decay": f"llm_appliance_fleet_decay{{appliance={name}}}",
+            "ready": f"{metric.READY}{{appliance={name}}}",
+            "draining": f"{metric.DRAINING}{{appliance={name}}}",
+            "fleet_decay": f"{metric.FLEET_DECAY}{{appliance={name}}}",
             "balancer_scraped": f'up{{job="{JOBS["balancer"]}", appliance={name}}}',
         },
     }

@@ -24,6 +24,7 @@ from appliance.health.peers import Peer, read_peer
 from appliance.health.requests import ADOPTED, REQUEST
 from appliance.plan.resolved import Appliance
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
+from appliance.system import metric_names as metric
 from appliance.system import paths
 from appliance.system.run import CommandFailed, run
 
@@ -68,14 +69,14 @@ class Status:
     problems: list[str] = field(default_factory=list)
 
     def value(self, name: str, **labels: str) -> float | None:
-        for found, value in self.metrics.get(f"llm_appliance_{name}", []):
+        for found, value in self.metrics.get(name, []):
             if all(found.get(k) == v for k, v in labels.items()):
                 return value
         return None
 
     def speedups(self) -> dict[str, float]:
         """Decode with speculation over decode without it, by bucket (where the baseline measured both)."""
-        return {labels["bucket"]: v for labels, v in self.metrics.get("llm_appliance_speculation_speedup", [])}
+        return {labels["bucket"]: v for labels, v in self.metrics.get(metric.SPECULATION_SPEEDUP, [])}
 
     def document(self) -> dict[str, object]:
         """--json: the same facts, for scripts."""
@@ -130,14 +131,14 @@ def assess(seen: Status) -> tuple[Health, list[str]]:
         if not seen.ready.ready and seen.server == "ok":
             degraded.append(f"not ready for a balancer: {seen.ready.reason}")
         for name, words in (
-            ("version_mismatch", "versions differ from the spec's pins"),
-            ("version_drift", "versions changed since the baseline was measured"),
-            ("restart_budget_exhausted", "max_per_hour restarts reached: the daemon stopped restarting"),
-            ("fleet_decay", "most of the fleet decays at once: decay restarts held"),
+            (metric.VERSION_MISMATCH, "versions differ from the spec's pins"),
+            (metric.VERSION_DRIFT, "versions changed since the baseline was measured"),
+            (metric.RESTART_BUDGET_EXHAUSTED, "max_per_hour restarts reached: the daemon stopped restarting"),
+            (metric.FLEET_DECAY, "most of the fleet decays at once: decay restarts held"),
         ):
             if seen.value(name) == 1:
                 degraded.append(words)
-        if seen.value("draft_configured") == 1 and seen.value("speculation_engaged") == 0:
+        if seen.value(metric.DRAFT_CONFIGURED) == 1 and seen.value(metric.SPECULATION_ENGAGED) == 0:
             degraded.append("a draft is configured and no drafts are made")
         for bucket, rate, baseline in _buckets(seen):
             if baseline and rate < seen.decay_ratio * baseline:
@@ -172,7 +173,7 @@ def _screen(seen: Status) -> list[str]:
         else f"not ready: {seen.ready.reason}"
     )
     lines.append(f"server   /health {seen.server}; /ready {ready}")
-    versions = next(iter(labels for labels, _ in seen.metrics.get("llm_appliance_version_info", [])), {})
+    versions = next(iter(labels for labels, _ in seen.metrics.get(metric.VERSION_INFO, [])), {})
     if versions:
         shown = ", ".join(
             f"{k} {v}" + (f" (pin {seen.pins[k]})" if k in seen.pins else "") for k, v in sorted(versions.items())
@@ -187,14 +188,14 @@ def _screen(seen: Status) -> list[str]:
         gain = seen.speedups().get(bucket)
         gained = f", {gain:.2f}x the rate without speculation" if gain is not None else ""
         lines.append(f"decode   {bucket}: {rate:.1f} tok/s{against}{gained}")
-    acceptance = seen.value("speculation_acceptance_ratio")
-    if seen.value("draft_configured") == 1:
-        engaged = "engaged" if seen.value("speculation_engaged") == 1 else "NOT ENGAGED"
+    acceptance = seen.value(metric.SPECULATION_ACCEPTANCE_RATIO)
+    if seen.value(metric.DRAFT_CONFIGURED) == 1:
+        engaged = "engaged" if seen.value(metric.SPECULATION_ENGAGED) == 1 else "NOT ENGAGED"
         lines.append(f"draft    {engaged}" + (f", acceptance {acceptance:.2f}" if acceptance is not None else ""))
     lines += _memory(seen)
     energy = [
         f"{labels['source']} {value:.2f} J/token"
-        for labels, value in seen.metrics.get("llm_appliance_energy_per_token_joules", [])
+        for labels, value in seen.metrics.get(metric.ENERGY_PER_TOKEN_JOULES, [])
     ]
     if energy:
         lines.append("energy   " + ", ".join(energy))
@@ -216,21 +217,21 @@ def _screen(seen: Status) -> list[str]:
 
 def _buckets(seen: Status) -> list[tuple[str, float, float | None]]:
     return [
-        (labels["bucket"], value, seen.value("decode_baseline_tokens_per_second", bucket=labels["bucket"]))
-        for labels, value in seen.metrics.get("llm_appliance_decode_tokens_per_second", [])
+        (labels["bucket"], value, seen.value(metric.DECODE_BASELINE_TOKENS_PER_SECOND, bucket=labels["bucket"]))
+        for labels, value in seen.metrics.get(metric.DECODE_TOKENS_PER_SECOND, [])
     ]
 
 
 def _memory(seen: Status) -> list[str]:
     mib = 1 << 20
     lines = []
-    for labels, used in seen.metrics.get("llm_appliance_gpu_memory_used_bytes", []):
-        total = seen.value("gpu_memory_total_bytes", device=labels["device"]) or 0.0
-        free = seen.value("gpu_memory_free_bytes", device=labels["device"]) or 0.0
+    for labels, used in seen.metrics.get(metric.GPU_MEMORY_USED_BYTES, []):
+        total = seen.value(metric.GPU_MEMORY_TOTAL_BYTES, device=labels["device"]) or 0.0
+        free = seen.value(metric.GPU_MEMORY_FREE_BYTES, device=labels["device"]) or 0.0
         lines.append(
             f"gpu      {labels['device']}: {used / mib:.0f} of {total / mib:.0f} MiB used, {free / mib:.0f} free"
         )
-    vram, creep = seen.value("server_vram_bytes"), seen.value("server_vram_creep_ratio")
+    vram, creep = seen.value(metric.SERVER_VRAM_BYTES), seen.value(metric.SERVER_VRAM_CREEP_RATIO)
     if vram:
         lines.append(
             f"vram     llama-server {vram / mib:.0f} MiB" + (f", creep {100 * creep:.0f}%" if creep is not None else "")
