@@ -17,7 +17,7 @@ from test_health_daemon import server_pids, wait_ready, wait_until
 from test_launch import free_port
 
 from appliance.health.peers import Peer
-from appliance.ops.status import EXIT, Status, Unit, assess, report
+from appliance.ops.status import EXIT, Status, Unit, assess, format_status
 from appliance.system import paths
 
 
@@ -91,8 +91,8 @@ def _seen(**overrides: object) -> Status:
 
 def test_energy_per_token_is_shown_where_a_meter_was_read() -> None:
     seen = _seen(metrics={"llm_appliance_energy_per_token_joules": [({"source": "nvml"}, 0.42)]})
-    assert "energy   nvml 0.42 J/token" in report(seen).splitlines()
-    assert not any(line.startswith("energy") for line in report(_seen()).splitlines())
+    assert "energy   nvml 0.42 J/token" in format_status(seen).splitlines()
+    assert not any(line.startswith("energy") for line in format_status(_seen()).splitlines())
 
 
 def test_speculations_gain_is_shown_beside_the_decode_rate() -> None:
@@ -101,7 +101,7 @@ def test_speculations_gain_is_shown_beside_the_decode_rate() -> None:
         "llm_appliance_speculation_speedup": [({"bucket": "ctx<=1K"}, 0.43)],
     }
     seen = _seen(metrics=metrics)
-    lines = report(seen).splitlines()
+    lines = format_status(seen).splitlines()
     assert "decode   ctx<=1K: 60.0 tok/s (learning baseline), 0.43x the rate without speculation" in lines
     assert "decode   canary: 70.0 tok/s (learning baseline)" in lines  # no no-speculation rate for it
     assert seen.document()["speculation_speedup"] == {"ctx<=1K": 0.43}
@@ -135,13 +135,13 @@ def test_the_verdict(overrides: dict[str, object], health: str, words: str) -> N
     assert found == health
     assert words in " ".join(problems)
     seen.health, seen.problems = found, problems
-    assert report(seen).startswith(f"llm-appliance: {health.upper()}")
+    assert format_status(seen).startswith(f"llm-appliance: {health.upper()}")
 
 
 def test_what_the_exporter_says_cannot_drive_roots_terminal() -> None:
     hostile = {"llm_appliance_version_info": [({"llama_cpp": "b1\x1b]0;owned\x07\x1b[2J"}, 1.0)]}
     seen = _seen(metrics=hostile, ready=Peer("self", False, "draining\x1b[31m"))
-    shown = report(seen)
+    shown = format_status(seen)
     assert "\x1b" not in shown and "\x07" not in shown
     assert "llama_cpp b1?]0;owned??[2J" in shown
 

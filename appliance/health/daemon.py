@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.facts.energy import EnergyMeter, meters_for
+from appliance.facts.energy_meters import EnergyMeter, meters_for
 from appliance.facts.gpu import Nvml, NvmlUnavailable
 from appliance.health import versions
 from appliance.health.detectors import (
@@ -30,7 +30,7 @@ from appliance.health.detectors import (
     window,
 )
 from appliance.health.drain import Drain, restart_turn
-from appliance.health.energy import EnergyProbe
+from appliance.health.energy_probe import EnergyProbe
 from appliance.health.exporter import Metrics, Readiness
 from appliance.health.peers import Peer, PeerReader, reader
 from appliance.health.requests import RestartRequest, RestartRequests

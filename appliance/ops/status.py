@@ -2,7 +2,7 @@
 
 Everything comes from where the running appliance publishes it: systemd (unit states, since when), llama-server
 (/health), the health daemon's exporter (/metrics, /ready), the restart history, and the spec on disk against the
-applied snapshot. Under `up` (no systemd) the same, less the units. `gather` asks; `assess` and `report` are pure.
+applied snapshot. Under `up` (no systemd) the same, less the units. `gather` asks; `assess` and `format_status` are pure.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def assess(seen: Status) -> tuple[Health, list[str]]:
     return ("degraded" if degraded else "healthy"), degraded
 
 
-def report(seen: Status) -> str:
+def format_status(seen: Status) -> str:
     """The screen. Label values and reasons come from the exporter (the service user's): printed without
     control characters, so a compromised daemon cannot drive root's terminal."""
     return "\n".join(UNPRINTABLE.sub("?", line) for line in _screen(seen))
