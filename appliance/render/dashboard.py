@@ -45,7 +45,7 @@ class DashboardView:
     description: str
     labels: tuple[str, ...]  # the spec's labels as matchers, in every selector
     server_devices: tuple[str, ...]  # the server's GPUs; none: no GPU panels
-    draft: bool  # a draft model is in use
+    draft_in_use: bool  # a draft model is in use
     speculation: bool  # the server speculates (a draft, or n-gram types)
     scrape_seconds: int
     interval_seconds: int
@@ -84,7 +84,7 @@ def view(appliance: Appliance, header: str) -> DashboardView:
         description=header,
         labels=labels,
         server_devices=appliance.server_devices,
-        draft=appliance.draft_in_use,
+        draft_in_use=appliance.draft_in_use,
         speculation=appliance.speculation,
         scrape_seconds=spec.prometheus.scrape_interval_seconds,
         interval_seconds=spec.health.interval_seconds,
@@ -151,7 +151,7 @@ def overview(v: DashboardView) -> list[Panel]:
             state(
                 "Speculation",
                 "Drafts are being made: the configured draft was not refused"
-                if v.draft
+                if v.draft_in_use
                 else "Drafts are being made: the n-gram types find repeated text to draft from",
                 v.of(metric.SPECULATION_ENGAGED),
                 {1: ("engaged", "green"), 0: ("not engaged", "red")},

@@ -75,7 +75,7 @@ class View:
     min_free_mib: int
     acceptance_min: float
     speculation_min_speedup: float
-    draft_configured: bool  # a draft model is in use
+    draft_in_use: bool  # a draft model is in use
     speculation: bool  # llama-server speculates (a draft, or n-gram types): the speculation alerts apply
     max_per_hour: int
     alert_for: dict[str, str]  # alert (AlertForSeconds field) -> its `for:` as a Prometheus duration
@@ -150,7 +150,7 @@ def view(appliance: Appliance) -> View:
         min_free_mib=spec.health.min_free_mib,
         acceptance_min=spec.health.acceptance_min,
         speculation_min_speedup=spec.health.speculation_min_speedup,
-        draft_configured=appliance.draft_in_use,
+        draft_in_use=appliance.draft_in_use,
         speculation=appliance.speculation,
         max_per_hour=spec.restart.max_per_hour,
         alert_for={name: duration(s) for name, s in spec.prometheus.alert_for_seconds.model_dump().items()},
