@@ -24,7 +24,7 @@ from conftest import EXAMPLE_FACTS, KeyFile, gpu_facts
 from appliance.facts.dialect import Dialect, builtin_help_text, parse_help
 from appliance.facts.machine import MachineFacts
 from appliance.plan.validate import validate
-from appliance.spec.problems import Problem, Severity, SpecInvalid, report
+from appliance.spec.problems import Problem, Severity, SpecInvalid, format_problems
 from appliance.system.users import account
 
 SERVICE = account()
@@ -1147,9 +1147,9 @@ def facts_for(case: Case) -> MachineFacts:
 
 def the_problem(problems: list[Problem], case: Case) -> Problem:
     found = [p for p in problems if p.severity is case.severity and p.field == case.field]
-    assert found, f"no {case.severity} on {case.field}:\n{report(problems)}"
+    assert found, f"no {case.severity} on {case.field}:\n{format_problems(problems)}"
     matching = [p for p in found if case.message in p.message]
-    assert matching, f"{case.field}: no message with {case.message!r}:\n{report(found)}"
+    assert matching, f"{case.field}: no message with {case.message!r}:\n{format_problems(found)}"
     return matching[0]
 
 
@@ -1203,7 +1203,7 @@ def test_bad_spec_is_refused(case: Case, write_case: WriteCase) -> None:
     invalid = caught.value
     problem = the_problem(invalid.problems, case)
     check_located(problem, case, spec, text)
-    assert len(invalid.errors) == case.errors, report(invalid.problems)
+    assert len(invalid.errors) == case.errors, format_problems(invalid.problems)
     assert all(p.file == spec for p in invalid.problems)
     assert problem.render() in str(invalid)
 
@@ -1215,7 +1215,7 @@ def test_warning_leaves_the_spec_valid(case: Case, write_case: WriteCase) -> Non
     case = dataclasses.replace(case, severity=Severity.WARNING)
     warning = the_problem(result.warnings, case)
     check_located(warning, case, spec, text)
-    assert len(result.warnings) == 1, report(result.warnings)
+    assert len(result.warnings) == 1, format_problems(result.warnings)
 
 
 def test_syntax_error_line_is_the_broken_line(example: Callable[..., Path]) -> None:

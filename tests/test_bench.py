@@ -19,14 +19,14 @@ from conftest import EXAMPLE_FACTS, resolved
 
 import appliance.cli.main as cli
 from appliance.cli.commands import EXIT_APPLY
-from appliance.facts.energy import Energy, RaplMeter
+from appliance.facts.energy_meters import Energy, RaplMeter
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
 from appliance.measure.bench import run_bench
+from appliance.measure.bench_report import format_table
 from appliance.measure.chart import draw_bench_chart
 from appliance.measure.config import NO_SPECULATION, BenchError, Config
 from appliance.measure.measure import Progress, Sample, Stats, WorkloadResult
-from appliance.measure.report import format_table
 from appliance.measure.server import free_port, server_argv
 from appliance.measure.suite import CHAT_MARGIN, canary_workload, fit_document, load_suite, long_prompt, prepare
 from appliance.plan.validate import validate
@@ -426,7 +426,7 @@ def test_a_baseline_file_without_no_speculation_rates_still_reads(tmp_path: Path
 
 
 def test_no_speculation_rates_are_the_daemons_buckets() -> None:
-    from appliance.measure.report import BenchResult, Side
+    from appliance.measure.bench_report import BenchResult, Side
 
     def result(name: str, prompt: int | None, tokens: int, *rates: float) -> WorkloadResult:
         samples = [Sample(r, 100.0, None, prompt or 0, tokens, 0, 0, None) for r in rates]
@@ -461,7 +461,7 @@ def test_no_speculation_rates_are_the_daemons_buckets() -> None:
 
 
 def test_write_baseline_writes_the_no_speculation_rates_the_daemon_reads(tmp_path: Path) -> None:
-    from appliance.measure.report import write_baseline
+    from appliance.measure.bench_report import write_baseline
 
     path = tmp_path / "baseline.json"
     write_baseline(path, {"ctx<=1K": 20.0}, {"measured_by": "test"}, {"ctx<=1K": 48.1234, "canary": 50.0})

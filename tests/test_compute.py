@@ -18,8 +18,8 @@ from appliance.measure.tune import with_longest_context
 from appliance.measure.tune_report import updated_spec
 from appliance.plan.budget import KV_CELL_PAD, MIB
 from appliance.plan.compute import peaks, shape, target_outputs_per_seq
+from appliance.plan.explain import plan_json
 from appliance.plan.fit import device_fits, largest_fits
-from appliance.plan.report import plan_json
 from appliance.plan.validate import validate
 from appliance.spec.model import Spec
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from appliance.measure.bench_report import BenchResult, Side, format_table
 from appliance.measure.config import NO_SPECULATION, Config
 from appliance.measure.cost import PerMillion, Usage
 from appliance.measure.measure import Sample, WorkloadResult
-from appliance.measure.report import BenchResult, Side, format_table
 from appliance.spec.model import Cost
 
 # 0.30 per kWh; 3506.4 over 4 years (35064 hours) is 0.1 per hour at full use.

@@ -318,7 +318,7 @@ def test_after_restart_resets_the_creep_baseline() -> None:
 # -- speculation() --
 
 
-def test_no_draft_configured_no_verdict() -> None:
+def test_no_speculation_configured_no_verdict() -> None:
     verdict = speculation(False, Window(100, 1, 0, 0), 0.4)
     assert (verdict.engaged, verdict.acceptance, verdict.low) == (None, None, False)
 

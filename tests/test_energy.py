@@ -15,9 +15,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from test_daemon_logic import INTERVAL, RATE, FakeClock, FakeNvml, Rig, make_spec
 
-from appliance.facts.energy import POWERCAP, Energy, EnergyUnreadable, NvmlMeter, RaplMeter, meters_for
+from appliance.facts.energy_meters import POWERCAP, Energy, EnergyUnreadable, NvmlMeter, RaplMeter, meters_for
 from appliance.facts.gpu import NvmlUnavailable
-from appliance.health.energy import EnergyProbe
+from appliance.health.energy_probe import EnergyProbe
 from appliance.health.exporter import Metrics
 from appliance.health.probe import CANARY_PROMPT, WARMUP_PROMPT
 
@@ -125,7 +125,7 @@ def test_rapl_readable_by_root_only_says_so_to_another_user(tmp_path: Path) -> N
             path.chmod(0o755 if path.is_dir() else 0o444)
         outside.chmod(0o755)
         (outside / "intel-rapl:0" / "energy_uj").chmod(0o400)
-        code = f"from pathlib import Path; from appliance.facts.energy import RaplMeter; RaplMeter(Path({str(outside)!r})).joules()"
+        code = f"from pathlib import Path; from appliance.facts.energy_meters import RaplMeter; RaplMeter(Path({str(outside)!r})).joules()"
         result = subprocess.run(
             ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups", sys.executable, "-c", code],
             capture_output=True,

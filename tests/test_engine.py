@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from appliance.cli.main import main
-from appliance.facts.engine import Manifest
-from appliance.ops import engine
+from appliance.facts.engine_manifest import Manifest
+from appliance.ops import engine_build
 
 pytestmark = pytest.mark.engine
 
@@ -22,12 +22,12 @@ def test_a_second_install_reuses_the_cached_build(
     if Manifest.read(engine_binary.parent.parent) is None:
         pytest.fail("the engine under test was not installed by `llm-appliance engine install`")
     dest = tmp_path / "engine"
-    first = engine.install(dest=dest)  # copies from the warm build cache: seconds, no compile
-    second = engine.install(dest=dest)
+    first = engine_build.install(dest=dest)  # copies from the warm build cache: seconds, no compile
+    second = engine_build.install(dest=dest)
     assert first == second
     assert Path(first.binary).is_file()
     assert first.version_line.startswith("version: 0.5.0-dev (build 1, commit 0c1e570)")
-    assert first.source is not None and first.source["sha256"] == engine.PINNED.sha256
+    assert first.source is not None and first.source["sha256"] == engine_build.PINNED.sha256
     assert "-DLLAMA_BUILD_SERVER=ON" in first.build_options
     assert "up to date" in capsys.readouterr().err
     # The libraries travel with the binary ($ORIGIN rpath): it runs from its new place.
@@ -36,7 +36,7 @@ def test_a_second_install_reuses_the_cached_build(
 
 
 def test_a_named_binary_is_used_and_recorded(engine_binary: Path, tmp_path: Path) -> None:
-    manifest = engine.install(dest=tmp_path / "engine", binary=str(engine_binary))
+    manifest = engine_build.install(dest=tmp_path / "engine", binary=str(engine_binary))
     assert manifest.origin == "user"
     assert manifest.binary == str(engine_binary)
     recorded = json.loads((tmp_path / "engine" / "manifest.json").read_text())
@@ -46,14 +46,14 @@ def test_a_named_binary_is_used_and_recorded(engine_binary: Path, tmp_path: Path
 def test_a_named_binary_that_is_not_executable_is_refused(tmp_path: Path) -> None:
     fake = tmp_path / "llama-server"
     fake.write_text("not a program")
-    with pytest.raises(engine.EngineError, match="not an executable"):
-        engine.install(dest=tmp_path / "engine", binary=str(fake))
+    with pytest.raises(engine_build.EngineError, match="not an executable"):
+        engine_build.install(dest=tmp_path / "engine", binary=str(fake))
 
 
 def test_build_options_key_the_cache() -> None:
-    assert engine.options_key("cpu") != engine.options_key("cuda")
-    assert "-DGGML_CUDA=ON" in engine.build_options("cuda")
-    assert "-DLLAMA_USE_PREBUILT_UI=OFF" in engine.build_options("cpu")
+    assert engine_build.options_key("cpu") != engine_build.options_key("cuda")
+    assert "-DGGML_CUDA=ON" in engine_build.build_options("cuda")
+    assert "-DLLAMA_USE_PREBUILT_UI=OFF" in engine_build.build_options("cpu")
 
 
 def test_engine_info_prints_the_manifest_and_dialect(

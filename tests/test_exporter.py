@@ -14,7 +14,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.health.exporter import PREFIX, PROBES, RESTART_REASONS, Metrics
+from appliance.health.exporter import PROBES, RESTART_REASONS, Metrics
+from appliance.system import metric_names
+from appliance.system.metric_names import PREFIX
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).parent / "golden" / "exporter-help.txt"
@@ -149,6 +151,12 @@ def test_the_acceptance_is_absent_until_drafts_are_counted_then_a_series() -> No
     assert sample_value(restricted, name) == 0.71
 
 
+def test_every_metric_is_named_once_in_metric_names() -> None:
+    # What the alerts, dashboard and status read is what the exporter registers, and nothing it exports is unnamed.
+    named = {value for key, value in vars(metric_names).items() if key.isupper() and key != "PREFIX"}
+    assert named == set(families())
+
+
 def test_all_names_carry_the_prefix_and_are_snake_case() -> None:
     for name in families():
         assert re.fullmatch(rf"{PREFIX}_[a-z][a-z0-9_]*[a-z0-9]", name), name
@@ -184,9 +192,13 @@ def test_the_info_metric_is_exposed_as_info() -> None:
     assert families()[f"{PREFIX}_version_info"] == "gauge"
 
 
-def test_the_names_the_alert_rules_use_exist() -> None:
-    rules = (REPO / "templates" / "alerts.rules.yml.j2").read_text()
-    used = set(re.findall(rf"\b{PREFIX}_[a-z0-9_]+", rules))
+def test_the_names_the_alert_rules_and_dashboard_use_exist() -> None:
+    # The rendered files (tests/test_examples.py holds them equal to what render writes): the names reach them
+    # from appliance/system/metric_names.py through the views, not as literals in the templates.
+    rendered = REPO / "tests" / "golden"
+    files = [*rendered.glob("*/etc/llm-appliance/rendered/prometheus/*.yml")]
+    files += [*rendered.glob("*/etc/llm-appliance/rendered/grafana/*.json")]
+    used = set(re.findall(rf"\b{PREFIX}_[a-z0-9_]+", "\n".join(path.read_text() for path in files)))
     assert used
     assert used <= set(families()), used - set(families())
 

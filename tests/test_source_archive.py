@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.ops.engine import EngineError, safe_members
+from appliance.ops.engine_build import EngineError, safe_members
 
 
 def archive_with(tmp_path: Path, *members: tuple[tarfile.TarInfo, bytes | None]) -> Path:

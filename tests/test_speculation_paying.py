@@ -19,8 +19,8 @@ from test_alert_rules import parse_rules, promtool
 from test_health_daemon import Traffic, Windows, lines_with, scrape, wait_ready, wait_until
 from test_launch import free_port
 
+from appliance.measure.bench_report import write_baseline
 from appliance.measure.config import NO_SPECULATION
-from appliance.measure.report import write_baseline
 from appliance.measure.server import TempServer
 from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate

@@ -19,7 +19,7 @@ from test_health_daemon import server_pids, wait_ready, wait_until
 from test_launch import free_port
 
 from appliance.health.peers import Peer
-from appliance.ops.status import EXIT, Status, Unit, assess, report
+from appliance.ops.status import EXIT, Status, Unit, assess, format_status
 from appliance.runtime.running import PID_FILE, announced, is_up, running_up, start_time
 from appliance.system import paths
 
@@ -196,11 +196,11 @@ def test_acceptance_is_no_drafts_yet_until_drafts_are_counted() -> None:
         "llm_appliance_speculation_drafted_tokens_total": [({}, 0.0)],
     }
     fresh = _seen(metrics=configured)
-    assert "draft    configured, no drafts yet" in report(fresh).splitlines()
+    assert "draft    configured, no drafts yet" in format_status(fresh).splitlines()
     assert fresh.document()["acceptance"] is None
     # An exporter from before the gauge was left unset says 0 then; the drafted counter says there is nothing.
     old = _seen(metrics={**configured, "llm_appliance_speculation_acceptance_ratio": [({}, 0.0)]})
-    assert "draft    configured, no drafts yet" in report(old).splitlines()
+    assert "draft    configured, no drafts yet" in format_status(old).splitlines()
     assert old.document()["acceptance"] is None
     drafting = {
         **configured,
@@ -208,13 +208,13 @@ def test_acceptance_is_no_drafts_yet_until_drafts_are_counted() -> None:
         "llm_appliance_speculation_acceptance_ratio": [({}, 0.0)],
     }
     rejected = _seen(metrics=drafting)  # drafts made, none accepted: a real 0
-    assert "draft    engaged, acceptance 0.00" in report(rejected).splitlines()
+    assert "draft    engaged, acceptance 0.00" in format_status(rejected).splitlines()
     assert rejected.document()["acceptance"] == 0.0
     stopped = _seen(metrics={**configured, "llm_appliance_speculation_engaged": [({}, 0.0)]})
-    assert "draft    NOT ENGAGED" in report(stopped).splitlines()
+    assert "draft    NOT ENGAGED" in format_status(stopped).splitlines()
     ngram = {**configured, "llm_appliance_draft_configured": [({}, 0.0)]}
-    assert "draft    n-gram lookup (no draft model), no drafts yet" in report(_seen(metrics=ngram)).splitlines()
-    assert not any(line.startswith("draft") for line in report(_seen()).splitlines())
+    assert "draft    n-gram lookup (no draft model), no drafts yet" in format_status(_seen(metrics=ngram)).splitlines()
+    assert not any(line.startswith("draft") for line in format_status(_seen()).splitlines())
 
 
 def test_the_share_other_processes_took_is_shown_and_a_shared_box_is_degraded() -> None:
@@ -227,7 +227,7 @@ def test_the_share_other_processes_took_is_shown_and_a_shared_box_is_degraded() 
             "llm_appliance_decode_contended_samples_total": [({}, 0.0)],
         }
     )
-    assert "machine  other processes used 4% of the CPUs; not contended (0 samples so far)" in report(quiet)
+    assert "machine  other processes used 4% of the CPUs; not contended (0 samples so far)" in format_status(quiet)
     assert assess(quiet) == ("healthy", [])
     shared = _seen(
         metrics={
@@ -238,7 +238,7 @@ def test_the_share_other_processes_took_is_shown_and_a_shared_box_is_degraded() 
     )
     assert (
         "machine  other processes used 85% of the CPUs, 0% of the GPU; contended: decode samples not judged "
-        "(14 samples so far)" in report(shared)
+        "(14 samples so far)" in format_status(shared)
     )
     health, problems = assess(shared)
     assert health == "degraded" and any("the box is shared" in p for p in problems)
@@ -247,13 +247,13 @@ def test_the_share_other_processes_took_is_shown_and_a_shared_box_is_degraded() 
         "contended": True,
         "contended_samples": 14.0,
     }
-    assert not any(line.startswith("machine") for line in report(_seen()).splitlines())
+    assert not any(line.startswith("machine") for line in format_status(_seen()).splitlines())
 
 
 def test_energy_per_token_is_shown_where_a_meter_was_read() -> None:
     seen = _seen(metrics={"llm_appliance_energy_per_token_joules": [({"source": "nvml"}, 0.42)]})
-    assert "energy   nvml 0.42 J/token" in report(seen).splitlines()
-    assert not any(line.startswith("energy") for line in report(_seen()).splitlines())
+    assert "energy   nvml 0.42 J/token" in format_status(seen).splitlines()
+    assert not any(line.startswith("energy") for line in format_status(_seen()).splitlines())
 
 
 def test_speculations_gain_is_shown_beside_the_decode_rate() -> None:
@@ -262,7 +262,7 @@ def test_speculations_gain_is_shown_beside_the_decode_rate() -> None:
         "llm_appliance_speculation_speedup": [({"bucket": "ctx<=1K"}, 0.43)],
     }
     seen = _seen(metrics=metrics)
-    lines = report(seen).splitlines()
+    lines = format_status(seen).splitlines()
     assert "decode   ctx<=1K: 60.0 tok/s (learning baseline), 0.43x the rate without speculation" in lines
     assert "decode   canary: 70.0 tok/s (learning baseline)" in lines  # no no-speculation rate for it
     assert seen.document()["speculation_speedup"] == {"ctx<=1K": 0.43}
@@ -296,13 +296,13 @@ def test_the_verdict(overrides: dict[str, object], health: str, words: str) -> N
     assert found == health
     assert words in " ".join(problems)
     seen.health, seen.problems = found, problems
-    assert report(seen).startswith(f"llm-appliance: {health.upper()}")
+    assert format_status(seen).startswith(f"llm-appliance: {health.upper()}")
 
 
 def test_what_the_exporter_says_cannot_drive_roots_terminal() -> None:
     hostile = {"llm_appliance_version_info": [({"llama_cpp": "b1\x1b]0;owned\x07\x1b[2J"}, 1.0)]}
     seen = _seen(metrics=hostile, ready=Peer("self", False, "draining\x1b[31m"))
-    shown = report(seen)
+    shown = format_status(seen)
     assert "\x1b" not in shown and "\x07" not in shown
     assert "llama_cpp b1?]0;owned??[2J" in shown
 

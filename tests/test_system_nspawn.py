@@ -28,7 +28,7 @@ import pytest
 from conftest import REPO
 from machines import Machine, boot, checkout, edit_messages, host_root
 
-from appliance.ops.engine import CACHE_DIR
+from appliance.ops.engine_build import CACHE_DIR
 from appliance.ops.models import GEMMA3, SMOLLM2
 from appliance.system.users import account
 

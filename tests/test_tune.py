@@ -317,7 +317,7 @@ def record_sweep(path: Path = SWEEP, reps: int = 3, tokens: int = 32) -> None:
     from appliance.facts.machine import find_binary
     from appliance.measure.measure import Progress
     from appliance.measure.suite import load_suite
-    from appliance.ops.engine import version_line
+    from appliance.ops.engine_build import version_line
 
     validated = validate(DEMO)
     binary = find_binary(validated.plan.spec)

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from appliance.facts.dialect import builtin_dialect, read_binary_dialect
-from appliance.facts.engine import Manifest
-from appliance.ops import engine, models
+from appliance.facts.engine_manifest import Manifest
+from appliance.ops import engine_build, models
 from appliance.plan.budget import GIB, lines
+from appliance.plan.explain import plan_json, speculation_lines
 from appliance.plan.fit import fit_lines, largest_fits
-from appliance.plan.report import plan_json, speculation_lines
 from appliance.plan.resolved import SNAPSHOT, Appliance, SnapshotError, changed_fields, resolve
 from appliance.plan.validate import Validated, validate
 from appliance.render.apply import changes, installed_spec_path, reload_system, write
@@ -30,7 +30,7 @@ from appliance.runtime.launch import Launcher, LaunchPlan
 from appliance.spec.base import DEFAULT_BINARY
 from appliance.spec.load import load_spec
 from appliance.spec.model import Spec
-from appliance.spec.problems import SpecInvalid, report
+from appliance.spec.problems import SpecInvalid, format_problems
 from appliance.system import paths
 from appliance.system.run import CommandFailed
 
@@ -40,7 +40,7 @@ EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_APPLY, EXIT_ENGINE = 0, 1, 2, 3, 4
 def _validated(spec: Path) -> Validated:
     result = validate(spec)
     if result.warnings:
-        print(report(result.warnings), file=sys.stderr)
+        print(format_problems(result.warnings), file=sys.stderr)
     return result
 
 
@@ -79,7 +79,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     print("\nlargest that fits, per device (each alone):")
     print("\n".join(fit_lines(fits, plan.spec)) if fits else "  no device is budgeted")
     print("\nwarnings:")
-    print(report(result.warnings) if result.warnings else "  none")
+    print(format_problems(result.warnings) if result.warnings else "  none")
     return EXIT_OK
 
 
@@ -153,13 +153,13 @@ def cmd_fleet_validate(args: argparse.Namespace) -> int:
 
 def cmd_fleet_render(args: argparse.Namespace) -> int:
     """Every host's tree, haproxy.cfg and Prometheus' files, checked, then written by the one writer."""
+    from appliance.fleet.fleet_render import hosts, render_fleet
     from appliance.fleet.load import load_fleet
-    from appliance.fleet.render import hosts, render_fleet
 
     fleet = load_fleet(args.fleet)
     members, warnings = hosts(fleet)
     if warnings:
-        print(report(warnings), file=sys.stderr)
+        print(format_problems(warnings), file=sys.stderr)
     files = render_fleet(fleet, members)
     for member in members:  # each host's tree as its own `apply` would check it
         tree = f"hosts/{member.name}/"
@@ -187,7 +187,7 @@ def cmd_engine_install(args: argparse.Namespace) -> int:
     if binary is None and args.spec is not None:
         named = load_spec(args.spec).spec.server.binary
         binary = named if named != DEFAULT_BINARY else None
-    manifest = engine.install(dest=args.dest, binary=binary, jobs=args.jobs)
+    manifest = engine_build.install(dest=args.dest, binary=binary, jobs=args.jobs)
     print(manifest.binary)
     return EXIT_OK
 
@@ -214,7 +214,7 @@ def cmd_engine_info(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """How the appliance is doing, and whether the spec on disk is what runs; the exit code of a monitoring plugin
     (0 healthy, 1 degraded, 2 down, 3 unknown). Under `up` (nothing applied): name the spec `up` runs."""
-    from appliance.ops.status import EXIT, EXIT_UNKNOWN, gather, report
+    from appliance.ops.status import EXIT, EXIT_UNKNOWN, format_status, gather
 
     snapshot = args.root / SNAPSHOT.relative_to("/")
     try:
@@ -238,7 +238,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("\n".join(f"  {line}" for line in differences))
         return 1
     seen = gather(running, differences)
-    print(json.dumps(seen.document(), indent=2) if args.json else report(seen))
+    print(json.dumps(seen.document(), indent=2) if args.json else format_status(seen))
     return EXIT[seen.health]
 
 

@@ -13,12 +13,12 @@ from appliance.cli.parser import parser
 from appliance.health.exporter import ExporterUnavailable
 from appliance.health.privileges import PrivilegeError
 from appliance.measure.config import BenchError, BenchUsage
-from appliance.ops import engine, models
+from appliance.ops import engine_build, models
 from appliance.ops.layout import LayoutError
 from appliance.plan.resolved import SnapshotError
 from appliance.render.apply import ApplyError
 from appliance.render.check import RenderRejected
-from appliance.spec.problems import SpecInvalid, report
+from appliance.spec.problems import SpecInvalid, format_problems
 from appliance.system.run import CommandFailed
 
 # Each failure a command may meet, and its exit code; the message names what failed and how to fix it.
@@ -26,7 +26,7 @@ EXIT_CODES: tuple[tuple[tuple[type[Exception], ...], int], ...] = (
     ((SnapshotError, RenderRejected), EXIT_INVALID),
     ((BenchUsage, PrivilegeError), EXIT_USAGE),  # BenchUsage before BenchError, which it is
     ((ApplyError, ExporterUnavailable, CommandFailed, BenchError, LayoutError), EXIT_APPLY),
-    ((engine.EngineError, models.ModelFetchError), EXIT_ENGINE),
+    ((engine_build.EngineError, models.ModelFetchError), EXIT_ENGINE),
 )
 FAILURES = tuple(kind for kinds, _ in EXIT_CODES for kind in kinds)
 
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except SpecInvalid as exc:
-        print(report(exc.problems), file=sys.stderr)
+        print(format_problems(exc.problems), file=sys.stderr)
         count = len(exc.errors)
         print(f"{count} error{'s' if count != 1 else ''}; nothing was written", file=sys.stderr)
         return EXIT_INVALID

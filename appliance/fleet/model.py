@@ -69,7 +69,7 @@ class Rules(Strict):
         return value
 
 
-class Prometheus(Strict):
+class FleetPrometheus(Strict):
     """The Prometheus that watches the fleet: its address joins every host's network.allow (it scrapes the
     exporter and llama-server), and it reads the targets files from `files_dir`."""
 
@@ -107,5 +107,5 @@ class Fleet(Strict):
     fleet: FleetOptions
     balancer: Balancer
     rules: Rules = Rules()
-    prometheus: Prometheus = Prometheus()
+    prometheus: FleetPrometheus = FleetPrometheus()
     hosts: Annotated[list[Host], Field(min_length=1)]

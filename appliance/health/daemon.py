@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.facts.energy import EnergyMeter, meters_for
+from appliance.facts.energy_meters import EnergyMeter, meters_for
 from appliance.facts.gpu import Nvml
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
@@ -97,7 +97,7 @@ class HealthDaemon:
         self.watch = Watch(appliance, self.metrics, list(meters))
         self.turn = RestartTurn(config.spec, self.requests, self.metrics, self.readiness)
         self.restart_log = RestartLog(appliance.state_file)
-        self.metrics.draft_configured.set(1 if appliance.draft_in_use else 0)
+        self.metrics.draft_in_use.set(1 if appliance.draft_in_use else 0)
         self.metrics.speculation_configured.set(1 if appliance.speculation else 0)
         self.metrics.speculation_engaged.set(1)
         self.watch.load_baseline(appliance.baseline_file)

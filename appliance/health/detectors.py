@@ -159,8 +159,8 @@ class SpeculationVerdict:
     low: bool
 
 
-def speculation(draft_configured: bool, w: Window, acceptance_min: float) -> SpeculationVerdict:
-    if not draft_configured or w.tokens <= 0:
+def speculation(speculation_configured: bool, w: Window, acceptance_min: float) -> SpeculationVerdict:
+    if not speculation_configured or w.tokens <= 0:
         return SpeculationVerdict(None, None, False)
     if w.drafted <= 0:
         return SpeculationVerdict(False, None, False)

@@ -21,8 +21,8 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import RestrictedRegistry
 
 from appliance.spec.address import is_ipv6
+from appliance.system import metric_names as metric
 
-PREFIX = "llm_appliance"
 RESTART_REASONS = ("decay", "creep", "headroom", "hang", "not_on_gpu", "scheduled", "manual")
 CANARY_OUTCOMES = ("ok", "slow", "failed")  # slow: below decay_ratio x its baseline
 PROBES = ("health", "metrics", "slots", "nvml", "canary", "unit", "check")  # "check": an unexpected error
@@ -42,12 +42,12 @@ class WithoutCreated:
         self._registry = registry
 
     def collect(self) -> Iterable[Metric]:
-        for metric in self._registry.collect():
-            if metric.type not in _CREATED_FAMILIES:
-                yield metric
+        for family in self._registry.collect():
+            if family.type not in _CREATED_FAMILIES:
+                yield family
                 continue
-            clean = Metric(metric.name, metric.documentation, metric.type, metric.unit)
-            clean.samples = [s for s in metric.samples if s.name != f"{metric.name}_created"]
+            clean = Metric(family.name, family.documentation, family.type, family.unit)
+            clean.samples = [s for s in family.samples if s.name != f"{family.name}_created"]
             yield clean
 
     def restricted_registry(self, names: Iterable[str]) -> WithoutCreated:
@@ -93,124 +93,138 @@ class Metrics:
         self.exposed = WithoutCreated(r)  # what /metrics serves
 
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(f"{PREFIX}_{name}", doc, labels, registry=r)
+            return Gauge(name, doc, labels, registry=r)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"{PREFIX}_{name}", doc, labels, registry=r)
+            return Counter(name, doc, labels, registry=r)  # the family is named without the _total
 
-        self.server_up = gauge("server_up", "Whether llama-server answers /health with 200 (1/0)")
+        self.server_up = gauge(metric.SERVER_UP, "Whether llama-server answers /health with 200 (1/0)")
         self.unit_active = gauge(
-            "server_unit_active", "Whether the server unit (or the launcher of `up`) is active (1/0)"
+            metric.SERVER_UNIT_ACTIVE, "Whether the server unit (or the launcher of `up`) is active (1/0)"
         )
-        self.requests_processing = gauge("requests_processing", "Requests llama-server is processing (requests)")
+        self.requests_processing = gauge(metric.REQUESTS_PROCESSING, "Requests llama-server is processing (requests)")
         self.decode_tps = gauge(
-            "decode_tokens_per_second",
+            metric.DECODE_TOKENS_PER_SECOND,
             "Median decode rate of recent windows, by context bucket (tokens per second)",
             ("bucket",),
         )
         self.decode_baseline = gauge(
-            "decode_baseline_tokens_per_second",
+            metric.DECODE_BASELINE_TOKENS_PER_SECOND,
             "Decode rate baseline, by context bucket (tokens per second)",
             ("bucket",),
         )
         self.decay_breaches = gauge(
-            "decode_decay_breaches",
+            metric.DECODE_DECAY_BREACHES,
             "Consecutive windows below decay_ratio x baseline, by context bucket (windows)",
             ("bucket",),
         )
-        self.draft_configured = gauge("draft_configured", "Whether the spec configures a draft model (1/0)")
+        self.draft_in_use = gauge(metric.DRAFT_CONFIGURED, "Whether the spec configures a draft model (1/0)")
         self.speculation_configured = gauge(
-            "speculation_configured", "Whether llama-server is set to speculate: a draft model or n-gram types (1/0)"
+            metric.SPECULATION_CONFIGURED,
+            "Whether llama-server is set to speculate: a draft model or n-gram types (1/0)",
         )
         self.speculation_engaged = gauge(
-            "speculation_engaged", "Whether drafts are being made, or nothing was generated yet (1/0)"
+            metric.SPECULATION_ENGAGED, "Whether drafts are being made, or nothing was generated yet (1/0)"
         )
         # Absent until the first window with drafts: "no drafts yet" is not an acceptance of 0.
         self.acceptance = UnsetGauge(
-            f"{PREFIX}_speculation_acceptance_ratio",
+            metric.SPECULATION_ACCEPTANCE_RATIO,
             "Accepted / drafted tokens in the last window with drafts (ratio)",
             r,
         )
         self.decode_no_speculation = gauge(
-            "decode_no_speculation_tokens_per_second",
+            metric.DECODE_NO_SPECULATION_TOKENS_PER_SECOND,
             "Decode rate without speculation from the baseline file, by bucket (tokens per second)",
             ("bucket",),
         )
         self.speculation_speedup = gauge(
-            "speculation_speedup",
+            metric.SPECULATION_SPEEDUP,
             "Median decode rate of recent windows over the same bucket's rate without speculation (ratio)",
             ("bucket",),
         )
         self.contention = gauge(
-            "contention_share",
+            metric.CONTENTION_SHARE,
             "Share of the resource other processes used during the last check's samples: cpu all CPUs, gpu the "
             "server's GPUs' SM time (ratio)",
             ("resource",),
         )
         self.contended = gauge(
-            "contended", "Whether the last check's samples were contended, so not counted toward decay (1/0)"
+            metric.CONTENDED, "Whether the last check's samples were contended, so not counted toward decay (1/0)"
         )
         self.contended_samples = counter(
-            "decode_contended_samples", "Decode samples not counted toward decay: taken under contention (samples)"
+            metric.DECODE_CONTENDED_SAMPLES_TOTAL,
+            "Decode samples not counted toward decay: taken under contention (samples)",
         )
         self.canaries = counter(
-            "canary_runs", "Idle canary completions, by outcome: ok, slow, failed (runs)", ("outcome",)
+            metric.CANARY_RUNS_TOTAL, "Idle canary completions, by outcome: ok, slow, failed (runs)", ("outcome",)
         )
         self.drafted = counter(
-            "speculation_drafted_tokens", "Draft tokens proposed, as counted by llama-server (tokens)"
+            metric.SPECULATION_DRAFTED_TOKENS_TOTAL, "Draft tokens proposed, as counted by llama-server (tokens)"
         )
-        self.accepted = counter("speculation_accepted_tokens", "Draft tokens accepted by the target (tokens)")
-        self.gpu_total = gauge("gpu_memory_total_bytes", "GPU memory, total, by device (bytes)", ("device",))
-        self.gpu_used = gauge("gpu_memory_used_bytes", "GPU memory, used, by device (bytes)", ("device",))
-        self.gpu_free = gauge("gpu_memory_free_bytes", "GPU memory, free, by device (bytes)", ("device",))
-        self.gpu_visible = gauge("gpu_visible", "Whether NVML can be read (1/0)")
+        self.accepted = counter(
+            metric.SPECULATION_ACCEPTED_TOKENS_TOTAL, "Draft tokens accepted by the target (tokens)"
+        )
+        self.gpu_total = gauge(metric.GPU_MEMORY_TOTAL_BYTES, "GPU memory, total, by device (bytes)", ("device",))
+        self.gpu_used = gauge(metric.GPU_MEMORY_USED_BYTES, "GPU memory, used, by device (bytes)", ("device",))
+        self.gpu_free = gauge(metric.GPU_MEMORY_FREE_BYTES, "GPU memory, free, by device (bytes)", ("device",))
+        self.gpu_visible = gauge(metric.GPU_VISIBLE, "Whether NVML can be read (1/0)")
         self.xid_errors = counter(
-            "gpu_xid_errors", "Critical XID errors reported by NVML, by device (errors)", ("device",)
+            metric.GPU_XID_ERRORS_TOTAL, "Critical XID errors reported by NVML, by device (errors)", ("device",)
         )
-        self.server_vram = gauge("server_vram_bytes", "GPU memory held by the llama-server process (bytes)")
+        self.server_vram = gauge(metric.SERVER_VRAM_BYTES, "GPU memory held by the llama-server process (bytes)")
         self.server_vram_baseline = gauge(
-            "server_vram_baseline_bytes", "GPU memory held by the llama-server process after warm-up (bytes)"
+            metric.SERVER_VRAM_BASELINE_BYTES, "GPU memory held by the llama-server process after warm-up (bytes)"
         )
-        self.creep = gauge("server_vram_creep_ratio", "Server VRAM / its post-warm-up baseline - 1 (ratio)")
-        self.server_on_gpu = gauge("server_on_gpu", "Whether the server process holds GPU memory, GPU specs only (1/0)")
+        self.creep = gauge(metric.SERVER_VRAM_CREEP_RATIO, "Server VRAM / its post-warm-up baseline - 1 (ratio)")
+        self.server_on_gpu = gauge(
+            metric.SERVER_ON_GPU, "Whether the server process holds GPU memory, GPU specs only (1/0)"
+        )
         self.version = Info(
-            f"{PREFIX}_version",
+            metric.VERSION_INFO.removesuffix("_info"),  # prometheus_client adds the _info
             "Driver, CUDA, llama.cpp and llama-cpp-python versions in use (info: always 1, the versions are labels)",
             registry=r,
         )
-        self.version_mismatch = gauge("version_mismatch", "Whether a version differs from the spec's pins (1/0)")
-        self.version_drift = gauge("version_drift", "Whether versions changed since the baseline was measured (1/0)")
-        self.restarts = counter("restarts", "Server restarts by the appliance, by reason (restarts)", ("reason",))
+        self.version_mismatch = gauge(metric.VERSION_MISMATCH, "Whether a version differs from the spec's pins (1/0)")
+        self.version_drift = gauge(
+            metric.VERSION_DRIFT, "Whether versions changed since the baseline was measured (1/0)"
+        )
+        self.restarts = counter(
+            metric.RESTARTS_TOTAL, "Server restarts by the appliance, by reason (restarts)", ("reason",)
+        )
         self.last_restart = gauge(
-            "last_restart_timestamp_seconds", "Time of the last restart by the appliance (Unix time in seconds)"
+            metric.LAST_RESTART_TIMESTAMP_SECONDS, "Time of the last restart by the appliance (Unix time in seconds)"
         )
         self.restart_budget_exhausted = gauge(
-            "restart_budget_exhausted", "Whether max_per_hour was reached and restarts stopped (1/0)"
+            metric.RESTART_BUDGET_EXHAUSTED, "Whether max_per_hour was reached and restarts stopped (1/0)"
         )
-        self.restart_pending = gauge("restart_pending", "Whether a wanted restart waits for idle or the cooldown (1/0)")
-        self.ready = gauge("ready", "Whether /ready answers 200: llama-server is up and not draining (1/0)")
-        self.draining = gauge("draining", "Whether the daemon keeps new requests away before a restart (1/0)")
+        self.restart_pending = gauge(
+            metric.RESTART_PENDING, "Whether a wanted restart waits for idle or the cooldown (1/0)"
+        )
+        self.ready = gauge(metric.READY, "Whether /ready answers 200: llama-server is up and not draining (1/0)")
+        self.draining = gauge(metric.DRAINING, "Whether the daemon keeps new requests away before a restart (1/0)")
         self.peers_ready = gauge(
-            "fleet_peers_ready", "The fleet's other hosts that answered /ready with 200, last read (hosts)"
+            metric.FLEET_PEERS_READY, "The fleet's other hosts that answered /ready with 200, last read (hosts)"
         )
         self.fleet_decay = gauge(
-            "fleet_decay",
+            metric.FLEET_DECAY,
             "Whether most of the fleet decays at once, so restarts for decay are held: a driver or CUDA change? (1/0)",
         )
         # Labelled by source (rapl, nvml), created at a source's first reading: an unreadable one exports nothing.
         self.energy = counter(
-            "energy_joules",
+            metric.ENERGY_JOULES_TOTAL,
             "Energy drawn since the daemon started, by source: rapl the CPU packages and DRAM, nvml the server's "
             "GPUs (joules)",
             ("source",),
         )
         self.energy_per_token = gauge(
-            "energy_per_token_joules",
+            metric.ENERGY_PER_TOKEN_JOULES,
             "Energy of the recent decode windows over the tokens they generated, by source (joules per token)",
             ("source",),
         )
-        self.check_duration = gauge("check_duration_seconds", "Duration of the last health check (seconds)")
-        self.probe_errors = counter("probe_errors", "Probes that failed, by probe (failed probes)", ("probe",))
+        self.check_duration = gauge(metric.CHECK_DURATION_SECONDS, "Duration of the last health check (seconds)")
+        self.probe_errors = counter(
+            metric.PROBE_ERRORS_TOTAL, "Probes that failed, by probe (failed probes)", ("probe",)
+        )
         for reason in RESTART_REASONS:
             self.restarts.labels(reason)
         for probe in PROBES:

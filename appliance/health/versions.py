@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from appliance.facts.engine import Manifest
+from appliance.facts.engine_manifest import Manifest
 from appliance.facts.gpu import Nvml, NvmlUnavailable
 from appliance.spec.model import Versions as Pins
 

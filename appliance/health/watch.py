@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.facts.contention import Contention
-from appliance.facts.energy import EnergyMeter
+from appliance.facts.energy_meters import EnergyMeter
 from appliance.health import versions
 from appliance.health.detectors import (
     CANARY_BUCKET,
@@ -24,7 +24,7 @@ from appliance.health.detectors import (
     speculation,
     speedup,
 )
-from appliance.health.energy import EnergyProbe
+from appliance.health.energy_probe import EnergyProbe
 from appliance.health.exporter import Metrics
 from appliance.health.probe import GpuReading, Reading
 from appliance.plan.resolved import Appliance

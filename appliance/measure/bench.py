@@ -12,7 +12,7 @@ sending the (streamed) request to the first chunk with content, measured here. M
 1 + accepted / drafts, with drafts from the `llamacpp:spec_decode_num_drafts_total` delta.
 
 This module glues the others together: the suite (suite.py), the servers (server.py), the measurement
-(measure.py) and what is told and written (report.py).
+(measure.py) and what is told and written (bench_report.py).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from appliance.facts.energy import Energy, meters_for
+from appliance.facts.energy_meters import Energy, meters_for
 from appliance.facts.gpu import Pynvml
+from appliance.measure.bench_report import BenchResult, Side, chart_rows, format_table, now, write_baseline
 from appliance.measure.config import NO_SPECULATION, BenchError, BenchUsage, Config
 from appliance.measure.measure import Progress, WorkloadResult, measure
-from appliance.measure.report import BenchResult, Side, chart_rows, format_table, now, write_baseline
 from appliance.measure.server import LOAD_TIMEOUT, TempServer
 from appliance.measure.suite import CANARY, Prepared, Suite, canary_workload, load_suite
 from appliance.plan.resolved import Appliance, resolve

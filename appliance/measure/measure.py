@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from appliance.facts.energy import Energy
+from appliance.facts.energy_meters import Energy
 from appliance.measure.config import BenchError
 from appliance.measure.server import CpuTimes, others_share
 from appliance.measure.suite import Request, call

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from appliance.measure.config import NO_SPECULATION, BenchError, Config, valid
-from appliance.spec.base import CACHE_BYTES
+from appliance.spec.base import CACHE_BLOCKS
 
 Value = int | float | str
 # The draft's values by name; an n-gram type's as "ngram-mod.n_match".
@@ -34,7 +34,7 @@ N_MAX_GRID: tuple[Value, ...] = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 N_MIN_GRID: tuple[Value, ...] = (0, 1, 2, 3, 4, 6, 8)
 P_MIN_GRID: tuple[Value, ...] = (0.0, 0.2, 0.4, 0.6, 0.8)
 # Largest to smallest, so a walk along the grid goes one way in size.
-CACHE_ORDER = tuple(CACHE_BYTES)
+CACHE_ORDER = tuple(CACHE_BLOCKS)
 # Around llama-server's defaults (ngram-mod 24/48/64, the others 12/48/1), shorter matches included: a
 # small model's answers repeat short spans of the request.
 NGRAM_GRIDS: dict[str, dict[str, tuple[Value, ...]]] = {

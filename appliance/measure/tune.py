@@ -7,8 +7,8 @@ mix the user names; each workload's own best is kept as a profile, with what it 
 nothing beats no speculation, the answer is `type = "none"`.
 
 This module glues the others together: the options parsed (their bounds are the spec model's), the search
-(search.py) run on real servers (`ServerMeasure`: server.py and measure.py), the report, the rewritten
-spec and the baseline (report.py).
+(search.py) run on real servers (`ServerMeasure`: server.py and measure.py), the report and the rewritten
+spec (tune_report.py), the baseline (bench_report.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from appliance.measure.bench_report import now, write_baseline
 from appliance.measure.config import NGRAM_PARAMS, NO_SPECULATION, BenchError, BenchUsage, Config, bounds
 from appliance.measure.measure import Progress, WorkloadResult, measure
-from appliance.measure.report import now, write_baseline
 from appliance.measure.search import CACHE_ORDER, Params, Rates, TuneResult, Value, default_params, ngram_params, tune
 from appliance.measure.server import TempServer
 from appliance.measure.suite import CANARY, Prepared, canary_workload, load_suite

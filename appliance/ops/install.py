@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.ops import engine, layout, models
+from appliance.ops import engine_build, layout, models
 from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
 from appliance.render.apply import (
@@ -70,7 +70,7 @@ def install(options: Options) -> Report:
     report = Report()
     who = ensure_user(report) if options.live else None
     layout.ensure(options.root, who, report.did)
-    manifest = engine.install(dest=options.under(paths.ENGINE_DIR))
+    manifest = engine_build.install(dest=options.under(paths.ENGINE_DIR))
     log(f"engine: {manifest.binary} ({manifest.version_line})")
     if options.demo:
         # Root's directory, root's files: the service user reads the models and can change none of them.
@@ -225,7 +225,7 @@ def uninstall(root: Path = Path("/"), purge: bool = False) -> Report:
         shutil.rmtree(engine_dir)
         report.did(f"removed {engine_dir}")
     if purge:
-        for directory in (paths.ETC, paths.LIB, engine.CACHE_DIR):
+        for directory in (paths.ETC, paths.LIB, engine_build.CACHE_DIR):
             target = root / directory.relative_to("/")
             if target.exists():
                 shutil.rmtree(target)
@@ -234,7 +234,7 @@ def uninstall(root: Path = Path("/"), purge: bool = False) -> Report:
             run(["userdel", paths.SERVICE_USER])
             report.did(f"removed the user {paths.SERVICE_USER}")
     else:
-        log(f"kept {paths.ETC}, {paths.LIB} and {engine.CACHE_DIR} (--purge removes them)")
+        log(f"kept {paths.ETC}, {paths.LIB} and {engine_build.CACHE_DIR} (--purge removes them)")
     if not report.changed:
         log("nothing to remove")
     return report

@@ -4,7 +4,7 @@ Everything comes from where the running appliance publishes it: systemd (unit st
 (/health), the health daemon's exporter (/metrics, /ready), the restart history, and the spec on disk against the
 applied snapshot. Under `up` (no systemd) the same, less the units. What runs the appliance is found out, not
 assumed: systemd when it is PID 1 and the units are loaded, `up` when an `up` of the state directory runs (its pid
-file, runtime/running.py), else nothing. `gather` asks; `assess` and `report` are pure.
+file, runtime/running.py), else nothing. `gather` asks; `assess` and `format_status` are pure.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from appliance.health.requests import ADOPTED, REQUEST
 from appliance.plan.resolved import Appliance
 from appliance.runtime.running import read_small, running_up
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
+from appliance.system import metric_names as metric
 from appliance.system import paths
 from appliance.system.run import CommandFailed, run
 
@@ -73,7 +74,7 @@ class Status:
     problems: list[str] = field(default_factory=list)
 
     def value(self, name: str, **labels: str) -> float | None:
-        for found, value in self.metrics.get(f"llm_appliance_{name}", []):
+        for found, value in self.metrics.get(name, []):
             if all(found.get(k) == v for k, v in labels.items()):
                 return value
         return None
@@ -81,21 +82,21 @@ class Status:
     def acceptance(self) -> float | None:
         """Accepted / drafted tokens; None until drafts exist (an exporter of before the gauge was left unset
         exports 0 then: the drafted counter tells)."""
-        if not self.value("speculation_drafted_tokens_total"):
+        if not self.value(metric.SPECULATION_DRAFTED_TOKENS_TOTAL):
             return None
-        return self.value("speculation_acceptance_ratio")
+        return self.value(metric.SPECULATION_ACCEPTANCE_RATIO)
 
     def speedups(self) -> dict[str, float]:
         """Decode with speculation over decode without it, by bucket (where the baseline measured both)."""
-        return {labels["bucket"]: v for labels, v in self.metrics.get("llm_appliance_speculation_speedup", [])}
+        return {labels["bucket"]: v for labels, v in self.metrics.get(metric.SPECULATION_SPEEDUP, [])}
 
     def contention(self) -> dict[str, object]:
         """What else used the machine in the daemon's last check, and the samples it did not judge for it."""
-        shares = {labels["resource"]: v for labels, v in self.metrics.get("llm_appliance_contention_share", [])}
+        shares = {labels["resource"]: v for labels, v in self.metrics.get(metric.CONTENTION_SHARE, [])}
         return {
             "share": shares,
-            "contended": self.value("contended") == 1,
-            "contended_samples": self.value("decode_contended_samples_total"),
+            "contended": self.value(metric.CONTENDED) == 1,
+            "contended_samples": self.value(metric.DECODE_CONTENDED_SAMPLES_TOTAL),
         }
 
     def document(self) -> dict[str, object]:
@@ -167,16 +168,16 @@ def assess(seen: Status) -> tuple[Health, list[str]]:
         if not seen.ready.ready and seen.server == "ok":
             degraded.append(f"not ready for a balancer: {seen.ready.reason}")
         for name, words in (
-            ("version_mismatch", "versions differ from the spec's pins"),
-            ("version_drift", "versions changed since the baseline was measured"),
-            ("restart_budget_exhausted", "max_per_hour restarts reached: the daemon stopped restarting"),
-            ("fleet_decay", "most of the fleet decays at once: decay restarts held"),
+            (metric.VERSION_MISMATCH, "versions differ from the spec's pins"),
+            (metric.VERSION_DRIFT, "versions changed since the baseline was measured"),
+            (metric.RESTART_BUDGET_EXHAUSTED, "max_per_hour restarts reached: the daemon stopped restarting"),
+            (metric.FLEET_DECAY, "most of the fleet decays at once: decay restarts held"),
         ):
             if seen.value(name) == 1:
                 degraded.append(words)
-        if seen.value("draft_configured") == 1 and seen.value("speculation_engaged") == 0:
+        if seen.value(metric.DRAFT_CONFIGURED) == 1 and seen.value(metric.SPECULATION_ENGAGED) == 0:
             degraded.append("a draft is configured and no drafts are made")
-        if seen.value("contended") == 1:
+        if seen.value(metric.CONTENDED) == 1:
             degraded.append("the box is shared: other processes take the CPUs or the GPU (decay is not judged)")
         for bucket, rate, baseline in _buckets(seen):
             if baseline and rate < seen.decay_ratio * baseline:
@@ -203,7 +204,7 @@ def _nothing_runs(seen: Status) -> str:
     )
 
 
-def report(seen: Status) -> str:
+def format_status(seen: Status) -> str:
     """The screen. Label values and reasons come from the exporter (the service user's): printed without
     control characters, so a compromised daemon cannot drive root's terminal."""
     return "\n".join(UNPRINTABLE.sub("?", line) for line in _screen(seen))
@@ -223,7 +224,7 @@ def _screen(seen: Status) -> list[str]:
         else f"not ready: {seen.ready.reason}"
     )
     lines.append(f"server   /health {seen.server}; /ready {ready}")
-    versions = next(iter(labels for labels, _ in seen.metrics.get("llm_appliance_version_info", [])), {})
+    versions = next(iter(labels for labels, _ in seen.metrics.get(metric.VERSION_INFO, [])), {})
     if versions:
         shown = ", ".join(
             f"{k} {v}" + (f" (pin {seen.pins[k]})" if k in seen.pins else "") for k, v in sorted(versions.items())
@@ -243,7 +244,7 @@ def _screen(seen: Status) -> list[str]:
     lines += _memory(seen)
     energy = [
         f"{labels['source']} {value:.2f} J/token"
-        for labels, value in seen.metrics.get("llm_appliance_energy_per_token_joules", [])
+        for labels, value in seen.metrics.get(metric.ENERGY_PER_TOKEN_JOULES, [])
     ]
     if energy:
         lines.append("energy   " + ", ".join(energy))
@@ -265,19 +266,19 @@ def _screen(seen: Status) -> list[str]:
 
 def _buckets(seen: Status) -> list[tuple[str, float, float | None]]:
     return [
-        (labels["bucket"], value, seen.value("decode_baseline_tokens_per_second", bucket=labels["bucket"]))
-        for labels, value in seen.metrics.get("llm_appliance_decode_tokens_per_second", [])
+        (labels["bucket"], value, seen.value(metric.DECODE_BASELINE_TOKENS_PER_SECOND, bucket=labels["bucket"]))
+        for labels, value in seen.metrics.get(metric.DECODE_TOKENS_PER_SECOND, [])
     ]
 
 
 def _speculation(seen: Status) -> list[str]:
     acceptance = seen.acceptance()
     drafts = "no drafts yet" if acceptance is None else f"acceptance {acceptance:.2f}"
-    if seen.value("draft_configured") == 1:
-        if seen.value("speculation_engaged") == 0:
+    if seen.value(metric.DRAFT_CONFIGURED) == 1:
+        if seen.value(metric.SPECULATION_ENGAGED) == 0:
             return ["draft    NOT ENGAGED" + ("" if acceptance is None else f" (earlier {drafts})")]
         return [f"draft    {'engaged' if acceptance is not None else 'configured'}, {drafts}"]
-    if seen.value("speculation_configured") == 1:
+    if seen.value(metric.SPECULATION_CONFIGURED) == 1:
         # n-gram types draft only once the output repeats earlier text: no drafts yet is no verdict.
         return [f"draft    n-gram lookup (no draft model), {drafts}"]
     return []
@@ -296,13 +297,13 @@ def _machine(seen: Status) -> list[str]:
 def _memory(seen: Status) -> list[str]:
     mib = 1 << 20
     lines = []
-    for labels, used in seen.metrics.get("llm_appliance_gpu_memory_used_bytes", []):
-        total = seen.value("gpu_memory_total_bytes", device=labels["device"]) or 0.0
-        free = seen.value("gpu_memory_free_bytes", device=labels["device"]) or 0.0
+    for labels, used in seen.metrics.get(metric.GPU_MEMORY_USED_BYTES, []):
+        total = seen.value(metric.GPU_MEMORY_TOTAL_BYTES, device=labels["device"]) or 0.0
+        free = seen.value(metric.GPU_MEMORY_FREE_BYTES, device=labels["device"]) or 0.0
         lines.append(
             f"gpu      {labels['device']}: {used / mib:.0f} of {total / mib:.0f} MiB used, {free / mib:.0f} free"
         )
-    vram, creep = seen.value("server_vram_bytes"), seen.value("server_vram_creep_ratio")
+    vram, creep = seen.value(metric.SERVER_VRAM_BYTES), seen.value(metric.SERVER_VRAM_CREEP_RATIO)
     if vram:
         lines.append(
             f"vram     llama-server {vram / mib:.0f} MiB" + (f", creep {100 * creep:.0f}%" if creep is not None else "")

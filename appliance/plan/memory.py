@@ -27,23 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from appliance.facts.gguf import ModelInfo
-from appliance.spec.base import CacheType
+from appliance.spec.base import CACHE_BLOCKS, CacheType
 from appliance.spec.model import Model, Spec
 
 CELL_PAD = 256
-# ggml type traits of the cache types (ggml/src/ggml.c): elements per block, bytes per block. A row is whole
-# blocks: ggml_row_size = type_size * n / block_size (a q8_0 row of 64 = 2 blocks of 34 bytes).
-CACHE_BLOCKS: dict[CacheType, tuple[int, int]] = {
-    "f32": (1, 4),
-    "f16": (1, 2),
-    "bf16": (1, 2),
-    "q8_0": (32, 34),
-    "q5_1": (32, 24),
-    "q5_0": (32, 22),
-    "iq4_nl": (32, 18),
-    "q4_1": (32, 20),
-    "q4_0": (32, 18),
-}
 RECURRENT_TYPE: CacheType = "f32"  # create_memory passes GGML_TYPE_F32 for R and S; no flag changes it
 
 # llm_arch_is_recurrent / llm_arch_is_hybrid (llama-arch.cpp), the archs whose layout this module knows.

@@ -29,6 +29,7 @@ from appliance.render.grafana import (
     timeseries,
 )
 from appliance.render.promql import label_matchers, series
+from appliance.system import metric_names as metric
 
 # Grafana's own variable: at least four scrapes (the targets' min step), more when zoomed out.
 RATE = "$__rate_interval"
@@ -44,7 +45,7 @@ class DashboardView:
     description: str
     labels: tuple[str, ...]  # the spec's labels as matchers, in every selector
     server_devices: tuple[str, ...]  # the server's GPUs; none: no GPU panels
-    draft: bool  # a draft model is in use
+    draft_in_use: bool  # a draft model is in use
     speculation: bool  # the server speculates (a draft, or n-gram types)
     scrape_seconds: int
     interval_seconds: int
@@ -83,7 +84,7 @@ def view(appliance: Appliance, header: str) -> DashboardView:
         description=header,
         labels=labels,
         server_devices=appliance.server_devices,
-        draft=appliance.draft_in_use,
+        draft_in_use=appliance.draft_in_use,
         speculation=appliance.speculation,
         scrape_seconds=spec.prometheus.scrape_interval_seconds,
         interval_seconds=spec.health.interval_seconds,
@@ -117,13 +118,13 @@ def overview(v: DashboardView) -> list[Panel]:
         state(
             "llama-server",
             "/health answers 200, as the health daemon sees it",
-            v.of("llm_appliance_server_up"),
+            v.of(metric.SERVER_UP),
             {1: up, 0: down},
         ),
         state(
             "Ready",
             "/ready: up, warmed up and not draining; what a balancer reads",
-            v.of("llm_appliance_ready"),
+            v.of(metric.READY),
             {1: ("ready", "green"), 0: ("not ready", "orange")},
         ),
         state(
@@ -135,13 +136,13 @@ def overview(v: DashboardView) -> list[Panel]:
         state(
             "Restart pending",
             "A restart the daemon wants waits for idle, the cooldown or its fleet turn",
-            v.of("llm_appliance_restart_pending"),
+            v.of(metric.RESTART_PENDING),
             {0: ("no", "green"), 1: ("waiting", "orange")},
         ),
         state(
             "Restart budget",
             "max_per_hour reached: the daemon stopped restarting (a restart loop)",
-            v.of("llm_appliance_restart_budget_exhausted"),
+            v.of(metric.RESTART_BUDGET_EXHAUSTED),
             {0: ("ok", "green"), 1: ("exhausted", "red")},
         ),
     ]
@@ -150,9 +151,9 @@ def overview(v: DashboardView) -> list[Panel]:
             state(
                 "Speculation",
                 "Drafts are being made: the configured draft was not refused"
-                if v.draft
+                if v.draft_in_use
                 else "Drafts are being made: the n-gram types find repeated text to draft from",
-                v.of("llm_appliance_speculation_engaged"),
+                v.of(metric.SPECULATION_ENGAGED),
                 {1: ("engaged", "green"), 0: ("not engaged", "red")},
             )
         )
@@ -160,14 +161,14 @@ def overview(v: DashboardView) -> list[Panel]:
 
 
 def decode(v: DashboardView) -> list[Panel]:
-    baseline = v.of("llm_appliance_decode_baseline_tokens_per_second")
+    baseline = v.of(metric.DECODE_BASELINE_TOKENS_PER_SECOND)
     rate = timeseries(
         "Decode tok/s by context bucket",
         "The health daemon's median decode rate of recent windows in each context bucket (the canary has its own), "
         f"against the bucket's baseline and the decay threshold ({v.decay_ratio} x baseline) under which it "
         "restarts the server and LlmApplianceDecodeDecay fires.",
         TOKENS_PER_SECOND,
-        Target(v.of("llm_appliance_decode_tokens_per_second"), "{{bucket}}"),
+        Target(v.of(metric.DECODE_TOKENS_PER_SECOND), "{{bucket}}"),
         Target(baseline, "{{bucket}} baseline"),
         Target(f"{v.decay_ratio} * {baseline}", "{{bucket}} decay threshold"),
         overrides=(dashed(".* baseline"), dashed(".* decay threshold", "red")),
@@ -229,16 +230,16 @@ def gpu(v: DashboardView) -> list[Panel]:
             "GPU memory",
             "Each GPU's memory, used and total, as NVML reports it: every process, not only llama-server.",
             "bytes",
-            Target(v.of("llm_appliance_gpu_memory_used_bytes"), "{{device}} used"),
-            Target(v.of("llm_appliance_gpu_memory_total_bytes"), "{{device}} total"),
+            Target(v.of(metric.GPU_MEMORY_USED_BYTES), "{{device}} used"),
+            Target(v.of(metric.GPU_MEMORY_TOTAL_BYTES), "{{device}} total"),
             overrides=(dashed(".* total"),),
         ),
         timeseries(
             "llama-server VRAM",
             "GPU memory held by the llama-server process, and its baseline after warm-up, from which creep counts.",
             "bytes",
-            Target(v.of("llm_appliance_server_vram_bytes"), "llama-server"),
-            Target(v.of("llm_appliance_server_vram_baseline_bytes"), "baseline"),
+            Target(v.of(metric.SERVER_VRAM_BYTES), "llama-server"),
+            Target(v.of(metric.SERVER_VRAM_BASELINE_BYTES), "baseline"),
             overrides=(dashed("baseline"),),
         ),
         timeseries(
@@ -246,7 +247,7 @@ def gpu(v: DashboardView) -> list[Panel]:
             f"llama-server's VRAM past its post-warm-up baseline; over creep_ratio ({v.creep_ratio}) the daemon "
             "restarts it when idle (LlmApplianceVramCreep).",
             "percentunit",
-            Target(v.of("llm_appliance_server_vram_creep_ratio"), "creep"),
+            Target(v.of(metric.SERVER_VRAM_CREEP_RATIO), "creep"),
             threshold=Threshold(v.creep_ratio),
         ),
         timeseries(
@@ -254,14 +255,14 @@ def gpu(v: DashboardView) -> list[Panel]:
             f"Free memory on the server's GPUs, against min_free_mib ({v.min_free_mib} MiB): below it the KV "
             "cache or compute buffers may spill to system RAM (LlmApplianceGpuHeadroomLow).",
             "bytes",
-            Target(v.of("llm_appliance_gpu_memory_free_bytes", f'device=~"{devices}"'), "{{device}} free"),
+            Target(v.of(metric.GPU_MEMORY_FREE_BYTES, f'device=~"{devices}"'), "{{device}} free"),
             threshold=Threshold(v.min_free_bytes, above_is_bad=False),
         ),
     ]
 
 
 def restarts_and_versions(v: DashboardView) -> list[Panel]:
-    restarts = v.of("llm_appliance_restarts_total")
+    restarts = v.of(metric.RESTARTS_TOTAL)
     return [
         bars(
             "Restarts by reason",
@@ -274,7 +275,7 @@ def restarts_and_versions(v: DashboardView) -> list[Panel]:
         table(
             "Versions",
             "Driver, CUDA, llama.cpp and llama-cpp-python in use, as the health daemon reads them.",
-            Target(v.of("llm_appliance_version_info"), "", instant=True, table=True),
+            Target(v.of(metric.VERSION_INFO), "", instant=True, table=True),
             {
                 "driver": "NVIDIA driver",
                 "cuda": "CUDA",
@@ -286,7 +287,7 @@ def restarts_and_versions(v: DashboardView) -> list[Panel]:
         state(
             "Pins",
             "The versions against the spec's [versions] pins (LlmApplianceVersionMismatch)",
-            v.of("llm_appliance_version_mismatch"),
+            v.of(metric.VERSION_MISMATCH),
             {0: ("met", "green"), 1: ("mismatch", "red")},
             w=3,
             h=8,
@@ -295,7 +296,7 @@ def restarts_and_versions(v: DashboardView) -> list[Panel]:
             "Drift",
             "A version changed since the decode baseline was measured: the baseline is stale "
             "(LlmApplianceVersionDrift)",
-            v.of("llm_appliance_version_drift"),
+            v.of(metric.VERSION_DRIFT),
             {0: ("none", "green"), 1: ("drifted", "orange")},
             w=3,
             h=8,
@@ -310,21 +311,21 @@ def daemon(v: DashboardView) -> list[Panel]:
             f"How long the daemon's last check took; past interval_seconds ({v.interval_seconds} s) checks run "
             "back to back and the next one is late.",
             "s",
-            Target(v.of("llm_appliance_check_duration_seconds"), "check"),
+            Target(v.of(metric.CHECK_DURATION_SECONDS), "check"),
             threshold=Threshold(v.interval_seconds),
         ),
         timeseries(
             "Probe errors",
             "Probes of the daemon that failed, by probe: blind spots, never a reason to restart.",
             "none",
-            Target(f"increase({v.of('llm_appliance_probe_errors_total')}[{RATE}])", "{{probe}}"),
+            Target(f"increase({v.of(metric.PROBE_ERRORS_TOTAL)}[{RATE}])", "{{probe}}"),
             bars=True,
         ),
     ]
 
 
 def annotations_of(v: DashboardView) -> list[JSON]:
-    restarts = v.of("llm_appliance_restarts_total")
+    restarts = v.of(metric.RESTARTS_TOTAL)
     return [
         {
             "builtIn": 1,

@@ -17,6 +17,7 @@ from appliance import __version__
 from appliance.plan.resolved import SNAPSHOT, Appliance, Endpoint
 from appliance.render.dashboard import dashboard_json
 from appliance.render.promql import label_matchers, quoted, series
+from appliance.system import metric_names as metric
 from appliance.system import paths
 
 
@@ -64,6 +65,7 @@ class View:
     labels: tuple[tuple[str, str], ...]  # the spec's labels, each value quoted (valid in YAML and in PromQL)
     rule_labels: tuple[tuple[str, str], ...]  # ...in an alerting rule, where Prometheus expands templates
     selectors: dict[str, str]  # each series the alerts read, with the spec's labels as matchers
+    metric_names: dict[str, str]  # the metrics the alerts' descriptions name, bare
     decay_ratio: float
     creep_ratio: float
     min_free_bytes: int
@@ -71,7 +73,7 @@ class View:
     acceptance_min: float
     speculation_min_speedup: float
     contention_max_share: float
-    draft_configured: bool  # a draft model is in use
+    draft_in_use: bool  # a draft model is in use
     speculation: bool  # llama-server speculates (a draft, or n-gram types): the speculation alerts apply
     max_per_hour: int
     alert_for: dict[str, str]  # alert (AlertForSeconds field) -> its `for:` as a Prometheus duration
@@ -124,6 +126,7 @@ def view(appliance: Appliance) -> View:
         labels=tuple((name, quoted(value)) for name, value in labels),
         rule_labels=tuple((name, f'"{_in_template(value)}"') for name, value in labels),
         selectors=selectors(appliance, label_matchers(spec.prometheus.labels)),
+        metric_names={"version_info": metric.VERSION_INFO, "restarts": metric.RESTARTS_TOTAL},
         decay_ratio=spec.health.decay_ratio,
         creep_ratio=spec.health.creep_ratio,
         min_free_bytes=appliance.min_free_bytes,
@@ -131,7 +134,7 @@ def view(appliance: Appliance) -> View:
         acceptance_min=spec.health.acceptance_min,
         speculation_min_speedup=spec.health.speculation_min_speedup,
         contention_max_share=spec.health.contention_max_share,
-        draft_configured=appliance.draft_in_use,
+        draft_in_use=appliance.draft_in_use,
         speculation=appliance.speculation,
         max_per_hour=spec.restart.max_per_hour,
         alert_for={name: duration(s) for name, s in spec.prometheus.alert_for_seconds.model_dump().items()},
@@ -146,23 +149,23 @@ def selectors(appliance: Appliance, labels: tuple[str, ...]) -> dict[str, str]:
 
     devices = "|".join(appliance.server_devices)
     return {
-        "server_up": of("llm_appliance_server_up"),
+        "server_up": of(metric.SERVER_UP),
         "server_scraped": of("up", 'job="llm-appliance-llama-server"'),
         "health_scraped": of("up", 'job="llm-appliance-health"'),
-        "decode_tps": of("llm_appliance_decode_tokens_per_second"),
-        "decode_baseline": of("llm_appliance_decode_baseline_tokens_per_second"),
-        "vram_creep": of("llm_appliance_server_vram_creep_ratio"),
-        "gpu_free": of("llm_appliance_gpu_memory_free_bytes", f'device=~"{devices}"'),
-        "speculation_engaged": of("llm_appliance_speculation_engaged"),
-        "speculation_configured": of("llm_appliance_speculation_configured"),
-        "acceptance": of("llm_appliance_speculation_acceptance_ratio"),
-        "drafted": of("llm_appliance_speculation_drafted_tokens_total"),
-        "speculation_speedup": of("llm_appliance_speculation_speedup"),
-        "contended": of("llm_appliance_contended"),
-        "version_mismatch": of("llm_appliance_version_mismatch"),
-        "version_drift": of("llm_appliance_version_drift"),
-        "restart_budget_exhausted": of("llm_appliance_restart_budget_exhausted"),
-        "unplanned_restarts": of("llm_appliance_restarts_total", 'reason!~"scheduled|manual"'),
+        "decode_tps": of(metric.DECODE_TOKENS_PER_SECOND),
+        "decode_baseline": of(metric.DECODE_BASELINE_TOKENS_PER_SECOND),
+        "vram_creep": of(metric.SERVER_VRAM_CREEP_RATIO),
+        "gpu_free": of(metric.GPU_MEMORY_FREE_BYTES, f'device=~"{devices}"'),
+        "speculation_engaged": of(metric.SPECULATION_ENGAGED),
+        "speculation_configured": of(metric.SPECULATION_CONFIGURED),
+        "acceptance": of(metric.SPECULATION_ACCEPTANCE_RATIO),
+        "drafted": of(metric.SPECULATION_DRAFTED_TOKENS_TOTAL),
+        "speculation_speedup": of(metric.SPECULATION_SPEEDUP),
+        "contended": of(metric.CONTENDED),
+        "version_mismatch": of(metric.VERSION_MISMATCH),
+        "version_drift": of(metric.VERSION_DRIFT),
+        "restart_budget_exhausted": of(metric.RESTART_BUDGET_EXHAUSTED),
+        "unplanned_restarts": of(metric.RESTARTS_TOTAL, 'reason!~"scheduled|manual"'),
     }
 
 

@@ -48,7 +48,7 @@ class LaunchPlan:
     argv: tuple[str, ...]
     health_url: str
     api_key_file: Path | None
-    draft_configured: bool  # a draft model is in use
+    draft_in_use: bool  # a draft model is in use
     speculation: bool  # llama-server speculates: with the draft model, or n-gram types without one
     watchdog_seconds: int
 
@@ -62,7 +62,7 @@ class LaunchPlan:
             argv=appliance.argv,
             health_url=appliance.health_url,
             api_key_file=appliance.api_key_file,
-            draft_configured=appliance.draft_in_use,
+            draft_in_use=appliance.draft_in_use,
             speculation=appliance.speculation,
             watchdog_seconds=appliance.spec.health.watchdog_seconds,
         )
@@ -207,7 +207,7 @@ class Launcher:
         return None
 
     def _ready_status(self) -> str:
-        if self.plan.draft_configured:
+        if self.plan.draft_in_use:
             kind = "draft configured"
         else:
             kind = "speculation without a draft model" if self.plan.speculation else "no draft"
@@ -242,13 +242,13 @@ class Launcher:
             accepted = metrics.get("spec_decode_num_accepted_tokens_total", 0)
             log.info("speculation engaged: %d tokens drafted, %d accepted", drafted, accepted)
             self.notifier.status(f"{self._ready_status()}; speculation engaged, acceptance {accepted / drafted:.2f}")
-        elif self.plan.draft_configured:
+        elif self.plan.draft_in_use:
             self._not_engaged(f"{metrics['tokens_predicted_total']:.0f} tokens generated and none drafted")
         # n-gram types draft only once the output repeats earlier text: no drafts yet is no verdict yet.
 
     def _not_engaged(self, why: str) -> None:
         self.speculation_verdict = False
-        if self.plan.draft_configured:
+        if self.plan.draft_in_use:
             log.error(
                 "SPECULATION NOT ENGAGED: a draft model is configured but %s. The server runs without it, slower. "
                 "Check `llm-appliance validate` (draft vocabulary, --spec-type draft-simple) and the lines above.",

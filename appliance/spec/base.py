@@ -1,6 +1,6 @@
-"""The field types every section of the spec uses: KV cache types and their sizes, GPU layers, one-line
-strings and paths, addresses, the model name in the API, and the strict base model (unknown keys rejected,
-no coercion)."""
+"""The field types every section of the spec uses: KV cache types and their sizes (the one table of them), GPU
+layers, one-line strings and paths, addresses, the model name in the API, and the strict base model (unknown keys
+rejected, no coercion)."""
 
 from __future__ import annotations
 
@@ -20,20 +20,22 @@ from appliance.spec.address import ip_address
 from appliance.system import paths
 
 CacheType = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "iq4_nl", "q4_1", "q4_0"]
-# Bytes per element of each KV cache type (blocks of 32 for the quantized ones), largest first.
-CACHE_BYTES: dict[CacheType, float] = {
-    "f32": 4.0,
-    "f16": 2.0,
-    "bf16": 2.0,
-    "q8_0": 34 / 32,
-    "q5_1": 24 / 32,
-    "q5_0": 22 / 32,
-    "iq4_nl": 18 / 32,
-    "q4_1": 20 / 32,
-    "q4_0": 18 / 32,
+# ggml type traits of the KV cache types (ggml/src/ggml.c): elements per block, bytes per block; a row is whole
+# blocks (ggml_row_size = type_size * n / block_size: a q8_0 row of 64 = 2 blocks of 34 bytes). The memory
+# budget sizes caches by it (plan/memory.py), tune walks the draft's cache types in its order (measure/search.py).
+CACHE_BLOCKS: dict[CacheType, tuple[int, int]] = {
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q8_0": (32, 34),
+    "q5_1": (32, 24),
+    "q5_0": (32, 22),
+    "iq4_nl": (32, 18),
+    "q4_1": (32, 20),
+    "q4_0": (32, 18),
 }
-assert tuple(CACHE_BYTES) == get_args(CacheType)
-QUANTIZED_CACHE = frozenset(name for name, size in CACHE_BYTES.items() if size < 2)
+assert tuple(CACHE_BLOCKS) == get_args(CacheType)
+QUANTIZED_CACHE = frozenset(name for name, (per_block, _) in CACHE_BLOCKS.items() if per_block > 1)
 GpuLayers = Annotated[int, Field(ge=0, le=1000)] | Literal["auto", "all"]
 DEVICE_NAME = re.compile(r"^(none|[A-Za-z]+[0-9]+)$")
 DEFAULT_BINARY = str(paths.engine_binary(paths.ENGINE_DIR))

@@ -44,12 +44,12 @@ class SpecInvalid(Exception):
 
     def __init__(self, problems: list[Problem]) -> None:
         self.problems = problems
-        super().__init__(report(problems))
+        super().__init__(format_problems(problems))
 
     @property
     def errors(self) -> list[Problem]:
         return [p for p in self.problems if p.severity is Severity.ERROR]
 
 
-def report(problems: list[Problem]) -> str:
+def format_problems(problems: list[Problem]) -> str:
     return "\n".join(p.render() for p in problems)

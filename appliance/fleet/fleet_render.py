@@ -24,6 +24,7 @@ from appliance.render.promql import quoted
 from appliance.render.render import duration, render, template
 from appliance.spec.address import host_port
 from appliance.spec.problems import Problem, Severity, SpecInvalid, error, warning
+from appliance.system import metric_names as metric
 
 HAPROXY_CFG = "balancer/etc/haproxy/haproxy.cfg"
 PROMETHEUS = "prometheus"
@@ -206,10 +207,11 @@ def _prometheus(fleet: LoadedFleet, members: list[FleetHost], header: str) -> di
         # Draining lasts the balancer's drain and the longest wait for idle; past both (and a margin), it is stuck.
         "draining_for": duration(drain + idle + 300),
         "balancer": host_port(f.balancer.address, f.balancer.stats_port),
+        "metric_names": {"version_info": metric.VERSION_INFO},
         "selectors": {
-            "ready": f"llm_appliance_ready{{appliance={name}}}",
-            "draining": f"llm_appliance_draining{{appliance={name}}}",
-            "fleet_decay": f"llm_appliance_fleet_decay{{appliance={name}}}",
+            "ready": f"{metric.READY}{{appliance={name}}}",
+            "draining": f"{metric.DRAINING}{{appliance={name}}}",
+            "fleet_decay": f"{metric.FLEET_DECAY}{{appliance={name}}}",
             "balancer_scraped": f'up{{job="{JOBS["balancer"]}", appliance={name}}}',
         },
     }

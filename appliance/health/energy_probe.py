@@ -9,7 +9,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
-from appliance.facts.energy import EnergyMeter, EnergyUnreadable
+from appliance.facts.energy_meters import EnergyMeter, EnergyUnreadable
 from appliance.health.exporter import Metrics
 
 log = logging.getLogger("llm-appliance.health")

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from appliance.facts.engine import Manifest
+from appliance.facts.engine_manifest import Manifest
 from appliance.system import paths
 from appliance.system.files import write_atomically
 from appliance.system.run import CommandFailed, run, stream
