@@ -217,7 +217,7 @@ def test_acceptance_is_no_drafts_yet_until_drafts_are_counted() -> None:
     assert not any(line.startswith("draft") for line in format_status(_seen()).splitlines())
 
 
-def test_the_share_other_processes_took_is_shown_and_a_shared_box_is_degraded() -> None:
+def test_the_share_other_processes_took_is_shown_and_a_shared_box_is_not_degraded() -> None:
     from appliance.ops.status import assess
 
     quiet = _seen(
@@ -240,8 +240,8 @@ def test_the_share_other_processes_took_is_shown_and_a_shared_box_is_degraded() 
         "machine  other processes used 85% of the CPUs, 0% of the GPU; contended: decode samples not judged "
         "(14 samples so far)" in format_status(shared)
     )
-    health, problems = assess(shared)
-    assert health == "degraded" and any("the box is shared" in p for p in problems)
+    # A neighbour is the operator's (LlmApplianceBoxShared, once it lasts), not a verdict on the server.
+    assert assess(shared) == ("healthy", [])
     assert shared.document()["contention"] == {
         "share": {"cpu": 0.85, "gpu": 0.0},
         "contended": True,

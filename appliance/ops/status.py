@@ -153,7 +153,9 @@ def systemd_is_init() -> bool:
 
 def assess(seen: Status) -> tuple[Health, list[str]]:
     """Down: llama-server does not answer (or its unit is not active). Degraded: it answers, but something an
-    admin should look at holds (not ready, decay, versions, speculation, the budget, the daemon, the spec)."""
+    admin should look at holds (not ready, decay, versions, speculation, the budget, the daemon, the spec).
+    A shared box is neither: the machine line shows it, and LlmApplianceBoxShared pages once it lasts. One busy
+    check (a build, this very command's start) says nothing about the server."""
     down, degraded = [], []
     if seen.mode is None:
         down.append(_nothing_runs(seen))
@@ -177,8 +179,6 @@ def assess(seen: Status) -> tuple[Health, list[str]]:
                 degraded.append(words)
         if seen.value(metric.DRAFT_CONFIGURED) == 1 and seen.value(metric.SPECULATION_ENGAGED) == 0:
             degraded.append("a draft is configured and no drafts are made")
-        if seen.value(metric.CONTENDED) == 1:
-            degraded.append("the box is shared: other processes take the CPUs or the GPU (decay is not judged)")
         for bucket, rate, baseline in _buckets(seen):
             if baseline and rate < seen.decay_ratio * baseline:
                 degraded.append(
