@@ -13,8 +13,6 @@ termination state, retries) can be found.
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import signal
 import subprocess
@@ -41,6 +39,8 @@ from fleet_netns import (
     parse_exposition,
     wait_until,
 )
+
+from appliance.runtime.server_api import ServerApi
 
 KILL_HOST = "demo-2"
 PROMPTS = (
@@ -70,53 +70,21 @@ class Request:
 
 def stream_chat(request: Request, max_tokens: int) -> None:
     """One streaming chat completion through HAProxy; fills in `request`'s status, outcome and detail."""
-    body = json.dumps(
-        {
-            "messages": [{"role": "user", "content": PROMPTS[request.number % len(PROMPTS)]}],
-            "max_tokens": max_tokens,
-            "stream": True,
-            "temperature": 0,
-        }
-    )
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
-    connection = http.client.HTTPConnection(BALANCER, API_PORT, timeout=REQUEST_SECONDS)
-    finished = done = False
+    body = {
+        "messages": [{"role": "user", "content": PROMPTS[request.number % len(PROMPTS)]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    balancer = ServerApi(f"http://{BALANCER}:{API_PORT}", API_KEY)
     try:
-        try:
-            connection.request("POST", f"/v1/chat/completions?n={request.number}", body, headers)
-            response = connection.getresponse()
-        except (OSError, http.client.HTTPException) as exc:
-            request.outcome, request.detail = "failed", f"no response: {exc!r}"
-            return
-        request.status = response.status
-        if response.status != 200:
-            request.outcome = "failed"
-            request.detail = " ".join(response.read(300).decode(errors="replace").split())[:160]
-            return
-        try:
-            while line := response.readline():
-                if line.startswith(b"error:") or b'"error"' in line:
-                    request.detail = line.decode(errors="replace").strip()
-                    break
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[6:].strip()
-                if payload == b"[DONE]":
-                    done = True
-                    break
-                request.chunks += 1
-                choices = json.loads(payload).get("choices") or [{}]
-                finished = finished or bool(choices[0].get("finish_reason"))
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            request.detail = f"after {request.chunks} chunks: {exc!r}"
-        if done and finished:
-            request.outcome = "ok"
-        else:
-            request.outcome = "cut"
-            request.detail = request.detail or f"stream ended after {request.chunks} chunks without [DONE]"
+        answer = balancer.stream(f"/v1/chat/completions?n={request.number}", body, REQUEST_SECONDS)
     finally:
         request.ended = time.monotonic()
-        connection.close()
+    request.status, request.chunks, request.detail = answer.status, answer.chunks, answer.error
+    if answer.status != 200:
+        request.outcome = "failed"
+    else:
+        request.outcome = "ok" if answer.complete and answer.done else "cut"
 
 
 class Load:

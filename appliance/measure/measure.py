@@ -7,13 +7,10 @@ took the CPUs is measured again.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -151,46 +148,13 @@ def _stream(
 ) -> tuple[float | None, dict[str, Any], str]:
     """Send a streamed request; (seconds to the first chunk with content, the chunk carrying `timings`, the
     answer's text)."""
-    headers = {"Content-Type": "application/json"}
-    if api.api_key:
-        headers["Authorization"] = f"Bearer {api.api_key}"
-    request = urllib.request.Request(api.base_url + path, data=json.dumps(body).encode(), headers=headers)
-    started = time.perf_counter()
-    first: float | None = None
-    final: dict[str, Any] | None = None
-    parts: list[str] = []
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            for raw in response:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                chunk: dict[str, Any] = json.loads(payload)
-                if "error" in chunk:
-                    raise BenchError(f"{api.base_url}{path}: {chunk['error']}")
-                content = _content(chunk)
-                if first is None and content:
-                    first = time.perf_counter() - started
-                parts.append(content)
-                if "timings" in chunk:
-                    final = chunk
-    except urllib.error.HTTPError as exc:
-        raise BenchError(f"{api.base_url}{path} answered {exc.code}: {exc.read()[:300]!r}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise BenchError(f"{api.base_url}{path}: {getattr(exc, 'reason', exc)}") from None
-    if final is None:
+    answer = api.stream(path, body, timeout)
+    if answer.error or answer.status != 200:
+        status = f" answered {answer.status}:" if answer.status not in (None, 200) else ":"
+        raise BenchError(f"{api.base_url}{path}{status} {answer.error}")
+    if answer.final is None:
         raise BenchError(f"{api.base_url}{path} streamed no timings (is this llama-server?)")
-    return first, final, "".join(parts)
-
-
-def _content(chunk: dict[str, Any]) -> str:
-    if chunk.get("content"):
-        return str(chunk["content"])
-    choices = chunk.get("choices") or [{}]
-    return str((choices[0].get("delta") or {}).get("content") or "")
+    return answer.first_content_seconds, answer.final, answer.text
 
 
 def _metrics(api: ServerApi) -> dict[str, float] | None:

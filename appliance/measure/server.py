@@ -6,13 +6,9 @@ whether other processes took the CPUs while a sample ran.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import signal
 import socket
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -20,12 +16,12 @@ from types import TracebackType
 from appliance.measure.config import BenchError, Config, configured
 from appliance.plan.plan import plan
 from appliance.plan.validate import Validated
-from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
+from appliance.runtime.server_api import ServerApi, read_api_key
+from appliance.runtime.server_process import die_with_parent, failure_line, stop, wait_until_ready
 from appliance.spec.problems import Severity
-from appliance.system.run import DEVNULL, STDOUT, Popen, TimeoutExpired, spawn
+from appliance.system.run import DEVNULL, STDOUT, Popen, spawn
 
 LOAD_TIMEOUT = 900.0  # a 27B model takes minutes to load
-STOP_TIMEOUT = 30.0
 
 
 def server_argv(validated: Validated, config: Config, port: int) -> list[str]:
@@ -48,11 +44,6 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no orphan servers
-
-
 class ServerLog:
     """What a server prints, in a temporary file; its last error line says why it did not start."""
 
@@ -63,11 +54,12 @@ class ServerLog:
         self.file.seek(0)
         self.file.truncate()
 
-    def tail(self) -> str:
+    def text(self) -> str:
         self.file.flush()
-        lines = Path(self.file.name).read_text(errors="replace").splitlines()
-        errors = [line for line in lines if "error" in line.lower() or "failed" in line.lower()]
-        return (errors[-1] if errors else lines[-1] if lines else "").strip()
+        return Path(self.file.name).read_text(errors="replace")
+
+    def tail(self) -> str:
+        return failure_line(self.text().splitlines())
 
     def close(self) -> None:
         self.file.close()
@@ -103,14 +95,14 @@ class TempServer:
             argv = server_argv(self.validated, self.config, port)
             self.log.clear()
             self.process = spawn(
-                argv, stdin=DEVNULL, stdout=self.log.file, stderr=STDOUT, preexec_fn=_die_with_parent, quiet=True
+                argv, stdin=DEVNULL, stdout=self.log.file, stderr=STDOUT, preexec_fn=die_with_parent, quiet=True
             )
             self.api = ServerApi(f"http://127.0.0.1:{port}", self.api_key, timeout=5.0)
-            if wait_ready(self.process, self.api, self.load_timeout):
+            if wait_until_ready(self.process, self.api, self.load_timeout):
                 return
-            if "bind" not in self.log.tail().lower():
+            if "bind" not in self.log.text().lower():
                 break
-        raise BenchError(f"llama-server for {self.config.label()} did not start: {self.log.tail() or 'no output'}")
+        raise BenchError(f"llama-server for {self.config.label()} did not start: {self.log.tail()}")
 
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
@@ -118,32 +110,6 @@ class TempServer:
         if self.process is not None:
             stop(self.process)
         self.log.close()
-
-
-def wait_ready(process: Popen[str], api: ServerApi, timeout: float) -> bool:
-    """Whether the server answers /health with 200 within `timeout` seconds (False once it has exited)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            return False
-        try:
-            if api.health() == 200:
-                return True
-        except ServerUnreachable:
-            pass
-        time.sleep(0.1)
-    return False
-
-
-def stop(process: Popen[str]) -> None:
-    """Terminate, and kill what does not end within STOP_TIMEOUT seconds."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(STOP_TIMEOUT)
-        except TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ child gracefully on SIGTERM, and checks that the draft model is really drafting.
 
 from __future__ import annotations
 
-import ctypes
 import logging
+import math
 import signal
 import sys
 import threading
@@ -22,15 +22,14 @@ from types import FrameType
 from appliance.plan.resolved import Appliance
 from appliance.runtime.notify import Notifier, watchdog_interval
 from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
-from appliance.system.run import DEVNULL, PIPE, STDOUT, Popen, TimeoutExpired, spawn
+from appliance.runtime.server_process import die_with_parent, exit_described, failure_line, stop, wait_until_ready
+from appliance.system.run import DEVNULL, PIPE, STDOUT, Popen, spawn
 
 log = logging.getLogger("llm-appliance.launch")
 
 EXIT_STOPPED = 0
 EXIT_LOAD_FAILED = 1
 EXIT_DIED = 1
-PR_SET_PDEATHSIG = 1
-ERROR_WORDS = ("error", "failed", "unable", "invalid", "cannot", "not found")
 # Warnings llama-server writes in the course of ordinary requests (server-context.cpp), each by itself no news
 # to an admin: the first of each kind per start is relayed with a note, the rest only kept for a failure's
 # explanation. Fragment of the line -> what it means. Every other line is relayed as it comes.
@@ -66,12 +65,6 @@ class LaunchPlan:
             speculation=appliance.speculation,
             watchdog_seconds=appliance.spec.health.watchdog_seconds,
         )
-
-
-def _die_with_parent() -> None:
-    # If the launcher is SIGKILLed (watchdog, OOM), the kernel takes llama-server down too: no orphan.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class Launcher:
@@ -127,7 +120,7 @@ class Launcher:
             stdin=DEVNULL,
             errors="replace",
             bufsize=1,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         threading.Thread(target=self._relay_output, args=(self.child,), daemon=True).start()
         log.info("started llama-server (pid %d)", self.child.pid)  # spawn logged the command line
@@ -160,7 +153,9 @@ class Launcher:
                 )
 
     def _wait_until_ready(self) -> int | None:
-        while True:
+        assert self.child is not None
+        # No deadline: systemd's TimeoutStartSec= is the one (a 27B model may take minutes to load).
+        while not wait_until_ready(self.child, self.api, math.inf, self.stop_requested_or_restart):
             if self.stop_requested.is_set():
                 return self._stop("stopped while loading")
             if self.restart_requested.is_set():  # it is starting afresh already
@@ -170,12 +165,7 @@ class Launcher:
             if code is not None:
                 log.error("llama-server failed to load the model (exit %d): %s", code, self._failure_reason())
                 return EXIT_LOAD_FAILED
-            try:
-                if self.api.health() == 200:
-                    return None
-            except ServerUnreachable:
-                pass  # the HTTP server is not up yet
-            self.stop_requested_or_restart.wait(0.25)
+        return None
 
     def _serve(self) -> int | None:
         """Watch the ready server; an exit code when done, None when a restart was asked for."""
@@ -184,7 +174,7 @@ class Launcher:
         while not self.stop_requested_or_restart.wait(min(interval, 2.0)):
             code = self._child_exit()
             if code is not None:
-                log.error("llama-server exited unexpectedly (%s): %s", _describe(code), self._failure_reason())
+                log.error("llama-server exited unexpectedly (%s): %s", exit_described(code), self._failure_reason())
                 return 128 - code if code < 0 else (code or EXIT_DIED)
             try:
                 healthy = self.api.health() == 200
@@ -203,7 +193,7 @@ class Launcher:
         if self.stop_requested.is_set():
             return self._stop("stopped")
         self._terminate_child()
-        log.info("llama-server stopped for a restart (%s)", _describe(self.child.returncode if self.child else 0))
+        log.info("llama-server stopped for a restart (%s)", exit_described(self.child.returncode if self.child else 0))
         return None
 
     def _ready_status(self) -> str:
@@ -268,27 +258,18 @@ class Launcher:
 
     def _failure_reason(self) -> str:
         time.sleep(0.2)  # let the relay thread catch the last lines
-        lines = list(self.tail)
-        errors = [line for line in lines if any(word in line.lower() for word in ERROR_WORDS)]
-        return (errors[0] if errors else lines[-1] if lines else "no output").strip()
+        return failure_line(self.tail)
 
     def _stop(self, reason: str) -> int:
         assert self.child is not None
         self.notifier.stopping(reason)
         self._terminate_child()
-        log.info("llama-server %s (%s)", reason, _describe(self.child.returncode))
+        log.info("llama-server %s (%s)", reason, exit_described(self.child.returncode))
         return EXIT_STOPPED
 
     def _terminate_child(self) -> None:
         assert self.child is not None
-        if self.child.poll() is None:
-            self.child.terminate()
-            try:
-                self.child.wait(self.stop_timeout)
-            except TimeoutExpired:
-                log.warning("llama-server ignored SIGTERM for %.0f s; killing it", self.stop_timeout)
-                self.child.kill()
-                self.child.wait()
+        stop(self.child, self.stop_timeout)
 
 
 def _routine_warning(line: str) -> str | None:
@@ -297,7 +278,3 @@ def _routine_warning(line: str) -> str | None:
     if not line.startswith("W "):
         return None
     return next((meaning for fragment, meaning in ROUTINE_WARNINGS.items() if fragment in line), None)
-
-
-def _describe(code: int) -> str:
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"

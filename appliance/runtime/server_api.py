@@ -1,11 +1,15 @@
-"""A small client for llama-server's own endpoints, shared by the launcher, the health daemon and bench."""
+"""The one client of llama-server's HTTP API (its own endpoints and the OpenAI ones, streamed or not), used by
+the launcher, the health daemon, status, bench and the tests."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +30,47 @@ def read_api_key(path: Path | None) -> str | None:
     return keys[0] if keys else None
 
 
+@dataclass
+class Streamed:
+    """What came back of one streamed request (server-sent events), however it ended. `status` is None when no
+    response began; `done` when `data: [DONE]` closed it; `error` says what broke it (an error event, a
+    status other than 200, the connection lost after `chunks` chunks)."""
+
+    status: int | None = None
+    chunks: int = 0
+    done: bool = False
+    finished: bool = False  # a chunk carried a finish_reason (the answer ended, not the connection)
+    first_content_seconds: float | None = None
+    final: dict[str, Any] | None = None  # the chunk carrying llama-server's `timings`
+    parts: list[str] = field(default_factory=list)
+    served_by: str | None = None  # a balancer's or router's header naming the backend that answered
+    error: str = ""
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    @property
+    def complete(self) -> bool:
+        return self.status == 200 and self.finished and not self.error
+
+
 @dataclass(frozen=True)
 class ServerApi:
     base_url: str
     api_key: str | None = None
     timeout: float = 5.0
 
-    def _request(
-        self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None
-    ) -> tuple[int, bytes]:
+    def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def _request(
+        self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> tuple[int, bytes]:
+        headers = self._headers()
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(self.base_url + path, data=data, headers=headers)
         try:
@@ -97,6 +130,62 @@ class ServerApi:
         if status != 200:
             raise ServerUnreachable(f"{self.base_url}/v1/chat/completions answered {status}: {answer[:200]!r}")
         return self._json(answer, "/v1/chat/completions")  # type: ignore[no-any-return]
+
+    def stream(
+        self, path: str, body: dict[str, Any], timeout: float = 600.0, served_by_header: str | None = None
+    ) -> Streamed:
+        """POST `body` with `"stream": true` and read the events to their end. Never raises: how it ended is in
+        the answer, so a load test can tell a request refused (no status, or not 200) from one cut mid-stream."""
+        url = urllib.parse.urlsplit(self.base_url + path)
+        connection = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port or 80, timeout=timeout)
+        answer, started = Streamed(), time.perf_counter()
+        target = url.path + (f"?{url.query}" if url.query else "")
+        try:
+            try:
+                connection.request("POST", target, json.dumps({**body, "stream": True}), self._headers())
+                response = connection.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                answer.error = f"no response: {exc!r}"
+                return answer
+            answer.status = response.status
+            if served_by_header:
+                answer.served_by = response.getheader(served_by_header)
+            if response.status != 200:
+                answer.error = " ".join(response.read(300).decode(errors="replace").split())[:200]
+                return answer
+            self._read_events(response, answer, started)
+        finally:
+            connection.close()
+        return answer
+
+    @staticmethod
+    def _read_events(response: http.client.HTTPResponse, answer: Streamed, started: float) -> None:
+        try:
+            while line := response.readline():
+                if line.startswith(b"error:") or line.startswith(b'data: {"error"'):
+                    answer.error = line.decode(errors="replace").strip()
+                    return
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    answer.done = True
+                    return
+                chunk: dict[str, Any] = json.loads(payload)
+                answer.chunks += 1
+                choices = chunk.get("choices") or [{}]
+                content = str(chunk.get("content") or (choices[0].get("delta") or {}).get("content") or "")
+                if content and answer.first_content_seconds is None:
+                    answer.first_content_seconds = time.perf_counter() - started
+                answer.parts.append(content)
+                answer.finished = answer.finished or bool(choices[0].get("finish_reason") or chunk.get("stop"))
+                if "timings" in chunk:
+                    answer.final = chunk
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            answer.error = f"after {answer.chunks} chunks: {exc!r}"
+        # llama-server's own /completion ends with its `stop` chunk, the OpenAI endpoints with [DONE].
+        if not answer.finished:
+            answer.error = f"stream ended after {answer.chunks} chunks without [DONE]"
 
     def _json(self, body: bytes, path: str) -> Any:
         try:

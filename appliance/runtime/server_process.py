@@ -1,0 +1,70 @@
+"""One llama-server child's lifecycle, shared by the launcher (the server unit) and bench/tune's servers of their
+own: started so that it dies with its parent, waited on until /health answers 200, stopped gracefully (killed
+when it ignores SIGTERM), and the line of its output that says why it failed."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterable
+
+from appliance.runtime.server_api import ServerApi, ServerUnreachable
+from appliance.system.run import Popen, TimeoutExpired
+
+log = logging.getLogger("llm-appliance.launch")
+
+PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT = 30.0
+# Words of llama-server's lines that say why it did not start (load errors, a port taken, a file not found).
+ERROR_WORDS = ("error", "failed", "unable", "invalid", "cannot", "not found")
+
+
+def die_with_parent() -> None:
+    """The child's preexec_fn: if its parent is SIGKILLed (the watchdog, the OOM killer, a killed bench), the
+    kernel takes llama-server down too, so no orphan holds the port and the GPU."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def wait_until_ready(
+    process: Popen[str], api: ServerApi, timeout: float, interrupt: threading.Event | None = None
+) -> bool:
+    """Whether /health answered 200 within `timeout` seconds. False once the process has exited, or as soon as
+    `interrupt` is set (the launcher's stop or restart)."""
+    deadline = time.monotonic() + timeout
+    pause = interrupt or threading.Event()
+    while time.monotonic() < deadline and not pause.is_set():
+        if process.poll() is not None:
+            return False
+        with contextlib.suppress(ServerUnreachable):  # its HTTP server is not up yet
+            if api.health() == 200:
+                return True
+        pause.wait(0.1)
+    return False
+
+
+def stop(process: Popen[str], timeout: float = STOP_TIMEOUT) -> None:
+    """SIGTERM (llama-server finishes the request at hand and exits), SIGKILL after `timeout` seconds."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except TimeoutExpired:
+            log.warning("llama-server ignored SIGTERM for %.0f s; killing it", timeout)
+            process.kill()
+            process.wait()
+
+
+def failure_line(lines: Iterable[str]) -> str:
+    """The first line of llama-server's output that says what went wrong, else its last line."""
+    kept = [line.strip() for line in lines]
+    errors = [line for line in kept if any(word in line.lower() for word in ERROR_WORDS)]
+    return errors[0] if errors else kept[-1] if kept else "no output"
+
+
+def exit_described(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
