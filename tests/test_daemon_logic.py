@@ -147,6 +147,7 @@ class FakeApi:
         self.metrics_error: ServerUnreachable | None = None
         self.health_status = 200
         self.processing = 0.0
+        self.deferred = 0.0
         self.slot_list: list[dict[str, Any]] = []
         self.canary_tps = 140.0
         self.completions: list[tuple[str, int, dict[str, Any]]] = []
@@ -177,7 +178,7 @@ class FakeApi:
             "spec_decode_num_draft_tokens_total": self.drafted,
             "spec_decode_num_accepted_tokens_total": self.accepted,
             "requests_processing": self.processing,
-            "requests_deferred": 0.0,
+            "requests_deferred": self.deferred,
         }
 
     def slots(self) -> list[dict[str, Any]]:

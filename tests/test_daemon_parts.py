@@ -24,6 +24,7 @@ from appliance.health.probe import (
     CANARY_TOKENS,
     MIN_RATE_TOKENS,
     WARMUP_PROMPT,
+    Saturation,
     ServerProbe,
     canary_timeout,
 )
@@ -89,20 +90,54 @@ def test_the_canary_runs_only_on_an_idle_server_and_its_tokens_are_not_traffic()
 
 
 @pytest.mark.parametrize(
-    ("status", "warm", "draining", "restarting", "expected"),
+    ("status", "warm", "draining", "action", "reason", "expected"),
     [
-        (200, True, False, False, None),
-        (200, False, False, False, "warming"),
-        (200, True, True, False, "draining"),
-        (503, False, False, False, "loading"),
-        (None, False, False, False, "down"),
-        (None, False, True, False, "draining"),
-        (200, True, False, True, "restarting"),
+        (200, True, False, "none", None, None),
+        (200, False, False, "none", None, "warming"),
+        (200, True, True, "drain", None, "draining"),
+        (503, False, False, "none", None, "loading"),
+        (None, False, False, "none", None, "down"),
+        (None, False, True, "drain", None, "draining"),
+        (200, True, False, "restart", "decay", "restarting"),
+        # Serving, slower than it should, until its restart: a router or balancer sends elsewhere meanwhile.
+        (200, True, False, "wait", "decay", "degraded"),
+        (200, True, False, "claim", "not_on_gpu", "degraded"),
+        # A restart for VRAM creep or a schedule does not make the server slower meanwhile.
+        (200, True, False, "wait", "creep", None),
+        (200, True, False, "wait", "scheduled", None),
     ],
 )
-def test_ready_reason(status: int | None, warm: bool, draining: bool, restarting: bool, expected: str | None) -> None:
-    seen = Observation(up=status == 200, health_status=status)
-    assert ready_reason(seen, warm, draining, restarting) == expected
+def test_ready_reason(
+    status: int | None, warm: bool, draining: bool, action: str, reason: str | None, expected: str | None
+) -> None:
+    seen = Observation(up=status == 200, health_status=status, reason=reason)
+    assert ready_reason(seen, warm, draining, action) == expected
+
+
+def test_a_fleet_host_serves_on_slow_until_its_turn() -> None:
+    """Its peers count it toward min_ready: out of the rotation early, it would leave the fleet short while
+    another host takes its turn (and a fleet-wide decay would become an outage)."""
+    seen = Observation(up=True, health_status=200, reason="decay")
+    assert ready_reason(seen, True, False, "wait", alone=False) is None
+    assert ready_reason(seen, True, True, "drain", alone=False) == "draining"
+
+
+def test_saturated_is_every_slot_busy_and_more_queued_than_allowed_read_at_most_once_a_ttl() -> None:
+    api, clock = FakeApi(), FakeClock()
+    saturated = Saturation(api, parallel=2, max_queued=1, clock=clock, ttl=1.0)  # type: ignore[arg-type]
+    api.processing, api.deferred = 2, 1
+    assert not saturated()  # every slot busy, one queued: within what the spec allows
+    api.deferred = 2
+    assert not saturated()  # the answer of a moment ago holds for the ttl: a balancer's checks cost one read
+    clock.advance(1.0)
+    assert saturated()
+    api.processing, api.deferred = 1, 5  # a free slot takes the next request at once, whatever the queue says
+    clock.advance(1.0)
+    assert not saturated()
+    api.processing, api.deferred = 2, 5
+    api.metrics_error = ServerUnreachable("timed out")
+    clock.advance(1.0)
+    assert not saturated()  # too busy to answer its gauges is the daemon's to judge, not /ready's guess
 
 
 # -- the restart turn --

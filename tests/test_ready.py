@@ -1,16 +1,23 @@
 """/ready on the health exporter, through the real HTTP server: 200 when llama-server is up and not draining,
-503 with the reason otherwise; /metrics still served beside it, with the ready and draining gauges."""
+503 with the reason and a Retry-After otherwise; /metrics still served beside it, with the ready and draining
+gauges; and the real demo saying it is saturated while a request waits for its one slot."""
 
 from __future__ import annotations
 
+import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from conftest import UpProcess
 from prometheus_client import CollectorRegistry
+from test_health_daemon import REQUEST_SECONDS, fast_demo, wait_ready, wait_until
+from test_launch import LOAD_SECONDS, free_port
 
 from appliance.health.exporter import NOT_READY, Metrics, Readiness, serve
+from appliance.runtime.server_api import ServerApi, Streamed
 
 
 @pytest.fixture
@@ -59,3 +66,68 @@ def test_metrics_are_still_served_with_the_ready_and_draining_gauges(exporter: t
 def test_an_unknown_reason_is_a_bug() -> None:
     with pytest.raises(AssertionError):
         Readiness(Metrics(CollectorRegistry())).set("sleepy")
+
+
+def get_retry_after(url: str) -> tuple[int, str | None]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return answer.status, answer.headers.get("Retry-After")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Retry-After")
+
+
+def test_a_503_says_when_to_ask_again_and_a_saturated_server_is_asked_live(exporter: tuple[str, Readiness]) -> None:
+    url, readiness = exporter
+    asked: list[bool] = []
+    saturated = False
+
+    def slots_full() -> bool:
+        asked.append(saturated)
+        return saturated
+
+    readiness.refuse_when_saturated(slots_full, {"saturated": 1, "draining": 40, "loading": 10})
+    readiness.set("draining")
+    assert get_retry_after(f"{url}/ready") == (503, "40")
+    assert asked == []  # not ready anyway: the slots are not asked
+    readiness.set(None)
+    assert get_retry_after(f"{url}/ready") == (200, None)
+    saturated = True
+    assert get(f"{url}/ready") == (503, "not ready: saturated\n")
+    assert get_retry_after(f"{url}/ready") == (503, "1")
+    assert asked == [False, True, True]
+    # Saturation is /ready's own answer, not the daemon's verdict: the ready gauge stays the daemon's.
+    assert readiness.reason is None
+    saturated = False
+    assert get(f"{url}/ready") == (200, "ready\n")
+
+
+@pytest.mark.engine
+def test_the_real_demo_says_saturated_while_a_request_waits_for_its_one_slot(
+    example: Callable[..., Path], appliance_up: UpProcess
+) -> None:
+    """`server.parallel = 1`: two requests at once, and the second waits in llama-server's queue. /ready says
+    so (a router or balancer sends the next request elsewhere, before its first byte), and says ready again
+    once the queue is gone."""
+    server_port, exporter_port = free_port(), free_port()
+    process, output = appliance_up(fast_demo(example, server_port, exporter_port))
+    wait_ready(process, output, 1)
+    ready = f"http://127.0.0.1:{exporter_port}/ready"
+    wait_until(lambda: get(ready)[0] == 200, LOAD_SECONDS, lambda: f"/ready 200, last {get(ready)}")
+    api = ServerApi(f"http://127.0.0.1:{server_port}")
+    # Long enough (ignore_eos) that the second request is still queued while /ready is asked.
+    body = {"prompt": "Once upon a time", "n_predict": 300, "ignore_eos": True, "temperature": 0}
+    answers: list[Streamed] = []
+    senders = [threading.Thread(target=lambda: answers.append(api.stream("/completion", body))) for _ in range(2)]
+    for sender in senders:
+        sender.start()
+    wait_until(
+        lambda: get(ready) == (503, "not ready: saturated\n") or len(answers) == 2,
+        LOAD_SECONDS,
+        lambda: f"/ready saturated, last {get(ready)}",
+    )
+    assert len(answers) < 2, "both requests ended before /ready was asked while one waited"
+    assert get_retry_after(ready) in ((503, "1"), (200, None))  # (the queue may have just emptied)
+    for sender in senders:
+        sender.join(REQUEST_SECONDS * 2)
+    assert [a.complete for a in answers] == [True, True], [a.error for a in answers]
+    wait_until(lambda: get(ready)[0] == 200, LOAD_SECONDS, lambda: f"/ready 200 again, last {get(ready)}")

@@ -31,7 +31,7 @@ STREAMS: dict[str, tuple[int, list[bytes]]] = {
 
 
 class Handler(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert body["stream"] is True and self.headers["Authorization"] == "Bearer sk-test"
         status, parts = STREAMS[self.path.split("?")[0]]

@@ -24,12 +24,13 @@ from appliance.facts.energy_meters import EnergyMeter, meters_for
 from appliance.facts.gpu import Nvml
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
-from appliance.health.exporter import Metrics, Readiness
+from appliance.health.exporter import NOT_READY, Metrics, Readiness
 from appliance.health.peers import PeerReader, reader
 from appliance.health.probe import (
     CANARY_PROMPT,
     WARMUP_PROMPT,
     CpuProbe,
+    Saturation,
     ServerProbe,
     canary_timeout,
     own_processes,
@@ -54,6 +55,17 @@ DRAIN_POLL_SECONDS = 1.0
 PEER_TIMEOUT_SECONDS = 1.0
 # How often the loop looks for a restart request between checks (one stat of a file).
 REQUEST_POLL_SECONDS = 1.0
+# /ready's live look at the slots: a balancer's check must not wait on a server too busy to answer its gauges.
+SATURATION_TIMEOUT_SECONDS = 0.5
+
+
+def retry_after(spec: Spec) -> dict[str, int]:
+    """Retry-After of /ready's 503, by reason: about when asking again can find the host ready. A slot frees
+    within seconds; a drain lasts its drain and the requests in flight; the rest resolve at a later check."""
+    drain = (spec.fleet.drain_seconds if spec.fleet else 0) + spec.restart.idle_timeout_seconds
+    seconds = dict.fromkeys(NOT_READY, max(1, spec.health.interval_seconds))
+    seconds.update(saturated=1, draining=max(1, drain))
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -89,13 +101,17 @@ class HealthDaemon:
         self.readiness = readiness or Readiness(self.metrics)
         self.read_peers = peers or reader(timeout=min(PEER_TIMEOUT_SECONDS, health.probe_timeout_seconds))
         self.requests = RestartRequests(appliance.state_file.parent)
+        key = read_api_key(appliance.api_key_file)
         timeout = min(health.probe_timeout_seconds, 0.8 * health.interval_seconds)
-        self.api = api or ServerApi(appliance.server.url, read_api_key(appliance.api_key_file), timeout=timeout)
+        self.api = api or ServerApi(appliance.server.url, key, timeout=timeout)
         self.probe = ServerProbe(self.api, control, self.metrics, clock, timeout=health.probe_timeout_seconds)
         self.cpu = cpu or CpuProbe()
         meters = meters_for(appliance.server_devices, nvml) if energy is None else energy
         self.watch = Watch(appliance, self.metrics, list(meters))
         self.turn = RestartTurn(config.spec, self.requests, self.metrics, self.readiness)
+        live = ServerApi(appliance.server.url, key, timeout=SATURATION_TIMEOUT_SECONDS)
+        saturation = Saturation(live, config.spec.server.parallel, health.ready_max_queued)
+        self.readiness.refuse_when_saturated(saturation, retry_after(config.spec))
         self.restart_log = RestartLog(appliance.state_file)
         self.metrics.draft_in_use.set(1 if appliance.draft_in_use else 0)
         self.metrics.speculation_configured.set(1 if appliance.speculation else 0)
@@ -135,7 +151,8 @@ class HealthDaemon:
             action = self.turn.step(now, seen, self.read_peers)
             if action.kind == "restart":
                 self.restart(action.reason or "unknown", action.detail, now)
-            self.readiness.set(ready_reason(seen, self.probe.warm, self.turn.draining, action.kind == "restart"))
+            alone = not (self.config.spec.fleet and self.config.spec.fleet.peers)
+            self.readiness.set(ready_reason(seen, self.probe.warm, self.turn.draining, action.kind, alone))
         except Exception:  # the daemon must outlive any surprise; say what happened and carry on
             log.exception("health check failed")
             self.metrics.probe_errors.labels("check").inc()

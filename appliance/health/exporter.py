@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -234,8 +234,10 @@ class Metrics:
 
 
 # Why /ready answers 503; "loading" until the first check has seen the server (a fresh daemon knows nothing).
-# "warming": up, its warm-up completion not done yet.
-NOT_READY = ("loading", "warming", "down", "draining", "restarting")
+# "warming": up, its warm-up completion not done yet. "degraded": it serves, but slower than it should until the
+# restart it waits for (decay latched, on the CPU where the spec says GPU). "saturated": every slot busy and
+# requests queued (asked live at each /ready, not at the daemon's checks).
+NOT_READY = ("loading", "warming", "down", "draining", "restarting", "degraded", "saturated")
 # What /ready tells the fleet's other daemons beside its status (the min_ready guard reads them, health/peers.py):
 # how long this host has been ready, whether it has claimed the next restart turn, and which restart it wants.
 READY_SECONDS = "X-Llm-Appliance-Ready-Seconds"
@@ -252,6 +254,8 @@ class Readiness:
         self._lock = threading.Lock()
         self._metrics = metrics
         self._clock = clock
+        self._saturated: Callable[[], bool] | None = None
+        self._retry_after: dict[str, int] = {}
         self._reason: str | None = "loading"
         self._since = clock()
         self._claim = False
@@ -272,10 +276,24 @@ class Readiness:
         with self._lock:
             self._wants, self._claim = reason, claim
 
+    def refuse_when_saturated(self, saturated: Callable[[], bool], retry_after: Mapping[str, int]) -> None:
+        """Ask `saturated` at each /ready the daemon calls ready; send `Retry-After` (seconds, by reason)."""
+        with self._lock:
+            self._saturated, self._retry_after = saturated, dict(retry_after)
+
     @property
     def reason(self) -> str | None:
         with self._lock:
             return self._reason
+
+    def answer(self) -> tuple[str | None, int | None]:
+        """What /ready answers now: the daemon's reason, or "saturated" when it says ready and every slot is
+        busy; and the seconds a client should wait before it asks again (None when ready)."""
+        with self._lock:
+            reason, saturated = self._reason, self._saturated
+        if reason is None and saturated is not None and saturated():
+            reason = "saturated"
+        return reason, None if reason is None else self._retry_after.get(reason, 1)
 
     def headers(self) -> list[tuple[str, str]]:
         with self._lock:
@@ -321,10 +339,12 @@ def app(metrics: Metrics, readiness: Readiness) -> Callable[..., Iterable[bytes]
         if environ.get("PATH_INFO") != "/ready":
             result: Iterable[bytes] = exposition(environ, start_response)
             return result
-        reason = readiness.reason
+        reason, retry_after = readiness.answer()
         body = b"ready\n" if reason is None else f"not ready: {reason}\n".encode()
         status = "200 OK" if reason is None else "503 Service Unavailable"
         headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
+        if retry_after is not None:
+            headers.append(("Retry-After", str(retry_after)))
         start_response(status, headers + readiness.headers())
         return [body]
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -259,3 +261,38 @@ class CpuProbe:
 def own_processes(server_pid: int | None) -> set[int]:
     """The appliance's processes: the server's tree and this daemon's (under `up`, one tree)."""
     return descendants(os.getpid()) | (descendants(server_pid) if server_pid is not None else set())
+
+
+class Saturation:
+    """Whether every slot is busy and more than `max_queued` requests wait for one, from llama-server's own
+    gauges. /ready asks it at every balancer check (every few seconds, far more often than the daemon checks),
+    so an answer is kept for `ttl` seconds; a server that does not answer in time is not saturated (the
+    daemon's checks judge a server that does not answer)."""
+
+    def __init__(
+        self,
+        api: ServerApi,
+        parallel: int,
+        max_queued: int,
+        clock: Callable[[], float] = time.monotonic,
+        ttl: float = 1.0,
+    ) -> None:
+        self.api, self.parallel, self.max_queued, self.clock, self.ttl = api, parallel, max_queued, clock, ttl
+        self._lock = threading.Lock()
+        self._at: float | None = None
+        self._saturated = False
+
+    def __call__(self) -> bool:
+        with self._lock:
+            now = self.clock()
+            if self._at is None or now - self._at >= self.ttl:
+                self._at, self._saturated = now, self._read()
+            return self._saturated
+
+    def _read(self) -> bool:
+        try:
+            values = self.api.metrics()
+        except ServerUnreachable:
+            return False
+        processing, queued = values.get("requests_processing", 0.0), values.get("requests_deferred", 0.0)
+        return processing >= self.parallel and queued > self.max_queued

@@ -36,15 +36,22 @@ class Action:
     detail: str = ""
 
 
-def ready_reason(seen: Observation, warm: bool, draining: bool, restarting: bool) -> str | None:
-    """What /ready says after a check: None (ready) or why not."""
-    if restarting:
+# Restart reasons under which the server answers, slower than it should, until the restart cures it.
+DEGRADED = ("decay", "not_on_gpu")
+
+
+def ready_reason(seen: Observation, warm: bool, draining: bool, action: str, alone: bool = True) -> str | None:
+    """What /ready says after a check (whose restart turn did `action`): None (ready) or why not. `alone`: no
+    fleet peers; a fleet host serves on, slow, until its turn, since its peers count it toward min_ready."""
+    if action == "restart":
         return "restarting"  # until a check sees the restarted server answer /health again
     if draining:
         return "draining"
-    if seen.up:
-        return None if warm else "warming"
-    return "loading" if seen.health_status == 503 else "down"
+    if not seen.up:
+        return "loading" if seen.health_status == 503 else "down"
+    if not warm:
+        return "warming"
+    return "degraded" if alone and seen.reason in DEGRADED else None
 
 
 class RestartTurn:

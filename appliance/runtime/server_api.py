@@ -142,7 +142,9 @@ class ServerApi:
         target = url.path + (f"?{url.query}" if url.query else "")
         try:
             try:
-                connection.request("POST", target, json.dumps({**body, "stream": True}), self._headers())
+                # One request per connection: a kept-alive one would leave the end of a stream to the timeout.
+                headers = {**self._headers(), "Connection": "close"}
+                connection.request("POST", target, json.dumps({**body, "stream": True}), headers)
                 response = connection.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 answer.error = f"no response: {exc!r}"
@@ -181,9 +183,10 @@ class ServerApi:
                 answer.finished = answer.finished or bool(choices[0].get("finish_reason") or chunk.get("stop"))
                 if "timings" in chunk:
                     answer.final = chunk
+                if chunk.get("stop") is True:
+                    return  # llama-server's own /completion: its stop chunk is the last, and no [DONE] follows
         except (OSError, http.client.HTTPException, ValueError) as exc:
             answer.error = f"after {answer.chunks} chunks: {exc!r}"
-        # llama-server's own /completion ends with its `stop` chunk, the OpenAI endpoints with [DONE].
         if not answer.finished:
             answer.error = f"stream ended after {answer.chunks} chunks without [DONE]"
 

@@ -196,6 +196,9 @@ class Health(Strict):
     # A decode sample taken while other processes used more than this share of the CPUs (and kept the server
     # waiting for one as long), or of the server's GPUs, is contended: it does not count toward decay. 1: never.
     contention_max_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.2
+    # /ready says "saturated" (503) while every slot is busy and more requests than this wait for one: a
+    # balancer or a router then sends new requests elsewhere before their first byte, rather than into a queue.
+    ready_max_queued: Annotated[int, Field(ge=0, le=100_000)] = 0
     baseline_file: FilePath = paths.BASELINE
 
 
