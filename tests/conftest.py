@@ -133,6 +133,7 @@ EXAMPLE_FACTS = {
     "dual-gpu.toml": gpu_facts(24, 24),
     "demo.toml": gpu_facts(),
     "demo-draft.toml": gpu_facts(),
+    "demo-fallback.toml": gpu_facts(),
 }
 
 

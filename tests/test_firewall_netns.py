@@ -136,8 +136,7 @@ def _check(argv: list[str]) -> str:
     return result.stdout
 
 
-def _as_service_user() -> list[str]:
-    user = paths.SERVICE_USER
+def _as_service_user(user: str = paths.SERVICE_USER) -> list[str]:
     return [_tool("setpriv"), "--reuid", user, "--regid", user, "--clear-groups"]
 
 
@@ -171,9 +170,11 @@ class Net:
     def exec(self, ns: str, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
         return _run([_tool("ip"), "netns", "exec", ns, *argv], timeout)
 
-    def curl(self, ns: str, host: str, port: int, as_user: bool = False) -> subprocess.CompletedProcess[str]:
+    def curl(
+        self, ns: str, host: str, port: int, as_user: bool = False, user_name: str = paths.SERVICE_USER
+    ) -> subprocess.CompletedProcess[str]:
         url = f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
-        user = _as_service_user() if as_user else []
+        user = _as_service_user(user_name) if as_user else []
         argv = [*user, _tool("curl"), "-sS", "-g", "--noproxy", "*", "--max-time", str(TIMEOUT_S), url]
         return self.exec(ns, argv, timeout=TIMEOUT_S + 10)
 
@@ -235,9 +236,11 @@ def _link(net: Net, a: str, a_if: str, a_addrs: tuple[str, str], b: str, b_if: s
 
 @pytest.fixture(scope="module")
 def service_user() -> str:
-    """nft resolves `meta skuid "llm-appliance"` at load time, and the servers run as that user."""
-    if _run(["id", paths.SERVICE_USER]).returncode != 0:
-        _check([_tool("useradd"), "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", paths.SERVICE_USER])
+    """nft resolves `meta skuid "llm-appliance"` (and the router's user) at load time, and the servers run as
+    that user."""
+    for user in (paths.SERVICE_USER, paths.ROUTER_USER):
+        if _run(["id", user]).returncode != 0:
+            _check([_tool("useradd"), "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", user])
     return paths.SERVICE_USER
 
 
@@ -295,20 +298,40 @@ def net(tmp_path_factory: pytest.TempPathFactory, service_user: str) -> Iterator
             _run([ip, "netns", "delete", ns])
 
 
-def _ruleset(directory: Path, fixture_models: Path, egress: str, allow: list[str], keys: Path) -> str:
-    """The real ruleset, rendered from demo.toml made network-facing for these networks."""
+def _tree(
+    directory: Path,
+    fixture_models: Path,
+    egress: str,
+    allow: list[str],
+    keys: Path,
+    more: str = "",
+    private: bool = False,
+) -> dict[str, str]:
+    """The real rendered tree of demo.toml made network-facing for these networks, `more` TOML appended."""
     text = (EXAMPLES / "demo.toml").read_text().replace(INSTALLED_MODELS, str(fixture_models))
     for old, new in {
         'host = "127.0.0.1"': f'host = "0.0.0.0"\napi_key_file = "{keys}"',
         'allow = ["127.0.0.0/8", "::1/128"]': f"allow = {json.dumps(allow)}",
-        'egress = "deny"': f'egress = "{egress}"',
+        'egress = "deny"': f'egress = "{egress}"' + ("\nprivate = true" if private else ""),
     }.items():
         assert old in text, f"{old!r} not in demo.toml"
         text = text.replace(old, new)
     spec = directory / "demo.toml"
-    spec.write_text(text)
+    spec.write_text(text + more)
     result = validate(spec, facts=EXAMPLE_FACTS["demo.toml"])
-    return render(resolve(result.plan, paths.ETC / "demo.toml"))[NFT_FILE]
+    return render(resolve(result.plan, paths.ETC / "demo.toml"))
+
+
+def _ruleset(directory: Path, fixture_models: Path, egress: str, allow: list[str], keys: Path, more: str = "") -> str:
+    return _tree(directory, fixture_models, egress, allow, keys, more)[NFT_FILE]
+
+
+# A fallback upstream in OUTSIDE, by its IPv4 address: the router may dial that address and port, nothing else.
+FALLBACK = f"""
+[fallback]
+base_url = "http://{OUT_V4}:{OUTSIDE_PORT}/v1"
+model = "upstream-model"
+"""
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +345,7 @@ def rulesets(
         "deny-no-loopback": _ruleset(
             tmp_path_factory.mktemp("no-loopback"), fixture_models, "deny", ALLOW_NO_LOOPBACK, keys
         ),
+        "fallback": _ruleset(tmp_path_factory.mktemp("fallback"), fixture_models, "deny", ALLOW, keys, FALLBACK),
     }
 
 
@@ -443,6 +467,35 @@ def test_egress_allow_lets_the_service_user_out(srv: Net, rulesets: dict[str, st
     # Ingress is filtered the same.
     _answered_by(srv.curl(srv.ok, SRV_V4, API_PORT), "api")
     _dropped(srv.curl(srv.bad, SRV_BAD_V4, API_PORT))
+
+
+# --- the router ([fallback]) and private code ------------------------------------------------------------
+
+
+def test_the_router_dials_its_upstream_and_nothing_else(srv: Net, rulesets: dict[str, str]) -> None:
+    srv.load(rulesets["fallback"], "llm-appliance-fallback.nft")
+    router = paths.ROUTER_USER
+    before = srv.counter(EGRESS_DROP)
+    _answered_by(srv.curl(srv.srv, OUT_V4, OUTSIDE_PORT, as_user=True, user_name=router), "outside")
+    for name, port in (("api", API_PORT), ("exporter", EXPORTER_PORT)):  # the local server and daemon
+        _answered_by(srv.curl(srv.srv, "127.0.0.1", port, as_user=True, user_name=router), name)
+    assert srv.counter(EGRESS_DROP) == before
+    # The upstream's other address, another port on loopback: as closed to the router as to anyone of ours.
+    _dropped(srv.curl(srv.srv, OUT_V6, OUTSIDE_PORT, as_user=True, user_name=router))
+    _dropped(srv.curl(srv.srv, "127.0.0.1", OPEN_PORT, as_user=True, user_name=router))
+    # llama-server's user never reaches the upstream: only the router holds the way out (and its key).
+    _dropped(srv.curl(srv.srv, OUT_V4, OUTSIDE_PORT, as_user=True))
+    assert srv.outside_hits.read_text().count("\n") == 1  # the router's one request
+
+
+def test_private_code_renders_no_router_and_the_upstream_stays_unreachable(
+    srv: Net, tmp_path: Path, fixture_models: Path, key_file: KeyFile
+) -> None:
+    tree = _tree(tmp_path, fixture_models, "deny", ALLOW, key_file("a-key"), private=True)
+    assert not [path for path in tree if "router" in path], sorted(tree)
+    srv.load(tree[NFT_FILE], "llm-appliance-private.nft")
+    _dropped(srv.curl(srv.srv, OUT_V4, OUTSIDE_PORT, as_user=True))
+    assert not srv.outside_hits.exists(), "OUTSIDE saw a request from the appliance"
 
 
 # --- its own table ---------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 from test_health_daemon import REQUEST_SECONDS, fast_demo, wait_ready, wait_until
 from test_launch import LOAD_SECONDS, free_port
 
-from appliance.health.exporter import NOT_READY, Metrics, Readiness, serve
+from appliance.health.exporter import Metrics, Readiness, serve
+from appliance.plan.resolved import NOT_READY
 from appliance.runtime.server_api import ServerApi, Streamed
 
 

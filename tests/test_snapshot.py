@@ -49,9 +49,12 @@ def refusal(document: dict[str, Any], tmp_path: Path) -> str:
 
 def test_a_snapshot_of_another_version_is_refused(example: Callable[[str], Path], tmp_path: Path) -> None:
     document = resolved(example, "demo.toml").document()
-    assert refusal({**document, "snapshot_version": 1}, tmp_path) == f"snapshot version 1, expected 2; {REAPPLY}"
+    assert (
+        refusal({**document, "snapshot_version": 1}, tmp_path)
+        == f"snapshot version 1, expected {SNAPSHOT_VERSION}; {REAPPLY}"
+    )
     del document["snapshot_version"]
-    assert refusal(document, tmp_path) == f"snapshot version None, expected 2; {REAPPLY}"
+    assert refusal(document, tmp_path) == f"snapshot version None, expected {SNAPSHOT_VERSION}; {REAPPLY}"
 
 
 def test_a_snapshot_lacking_a_field_is_refused_not_defaulted(example: Callable[[str], Path], tmp_path: Path) -> None:
@@ -68,7 +71,10 @@ def test_a_snapshot_lacking_a_field_is_refused_not_defaulted(example: Callable[[
 def test_a_snapshot_with_a_field_unknown_or_wrong_is_refused(example: Callable[[str], Path], tmp_path: Path) -> None:
     document = resolved(example, "demo.toml").document()
     unknown = {**document, "resolved": {**document["resolved"], "draft_path": "/x.gguf"}}
-    assert refusal(unknown, tmp_path) == f"resolved.draft_path is no field of snapshot version 2; {REAPPLY}"
+    assert (
+        refusal(unknown, tmp_path)
+        == f"resolved.draft_path is no field of snapshot version {SNAPSHOT_VERSION}; {REAPPLY}"
+    )
     wrong = {**document, "resolved": {**document["resolved"], "server": {"host": "127.0.0.1", "port": "http"}}}
     assert refusal(wrong, tmp_path).startswith("resolved.server.port: Input should be a valid integer")
     assert refusal([], tmp_path) == f"not an applied appliance; {REAPPLY}"  # type: ignore[arg-type]

@@ -275,6 +275,19 @@ def cmd_health(args: argparse.Namespace) -> int:
     return run_daemon(Appliance.read(args.snapshot))
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    from appliance.health.router import run_router
+
+    return run_router(Appliance.read(args.snapshot), args.config_dir, as_current_user=args.as_current_user)
+
+
+def cmd_router_install(args: argparse.Namespace) -> int:
+    from appliance.ops.router_env import ensure_router
+
+    ensure_router(lambda done: print(f"router-install: {done}", file=sys.stderr))
+    return 0
+
+
 def cmd_check_versions(args: argparse.Namespace) -> int:
     from appliance.health.service import check_versions
 

@@ -12,6 +12,7 @@ from appliance.cli.commands import EXIT_APPLY, EXIT_ENGINE, EXIT_INVALID, EXIT_U
 from appliance.cli.parser import parser
 from appliance.health.exporter import ExporterUnavailable
 from appliance.health.privileges import PrivilegeError
+from appliance.health.router import RouterError
 from appliance.measure.config import BenchError, BenchUsage
 from appliance.ops import engine_build, models
 from appliance.ops.layout import LayoutError
@@ -25,7 +26,7 @@ from appliance.system.run import CommandFailed
 EXIT_CODES: tuple[tuple[tuple[type[Exception], ...], int], ...] = (
     ((SnapshotError, RenderRejected), EXIT_INVALID),
     ((BenchUsage, PrivilegeError), EXIT_USAGE),  # BenchUsage before BenchError, which it is
-    ((ApplyError, ExporterUnavailable, CommandFailed, BenchError, LayoutError), EXIT_APPLY),
+    ((ApplyError, ExporterUnavailable, CommandFailed, BenchError, LayoutError, RouterError), EXIT_APPLY),
     ((engine_build.EngineError, models.ModelFetchError), EXIT_ENGINE),
 )
 FAILURES = tuple(kind for kinds, _ in EXIT_CODES for kind in kinds)

@@ -23,6 +23,8 @@ from appliance.cli.commands import (
     cmd_models_fetch,
     cmd_render,
     cmd_restart,
+    cmd_router,
+    cmd_router_install,
     cmd_schema,
     cmd_status,
     cmd_tune,
@@ -136,6 +138,15 @@ def _unit_commands(command: Command) -> None:
         help=f"started by root: do not become {paths.SERVICE_USER} (llama-server runs as root, unsandboxed; tests only)",
     )
     _snapshot_option(command("health", cmd_health, "run the health daemon (the health unit's ExecStart)"))
+    command(
+        "router-install",
+        cmd_router_install,
+        f"make the router's user and its virtualenv {paths.ROUTER_VENV} (install does, for a spec with [fallback])",
+    )
+    p = command("router", cmd_router, "run the router in front of the server ([fallback]; the router unit's ExecStart)")
+    _snapshot_option(p)
+    p.add_argument("--config-dir", type=Path, default=paths.ROUTER_DIR, help="where its config.yaml and gate are")
+    p.add_argument("--as-current-user", action="store_true", help=f"started by root: do not become {paths.ROUTER_USER}")
     _snapshot_option(
         command(
             "check-versions",

@@ -24,7 +24,7 @@ from appliance.facts.energy_meters import EnergyMeter, meters_for
 from appliance.facts.gpu import Nvml
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
-from appliance.health.exporter import NOT_READY, Metrics, Readiness
+from appliance.health.exporter import Metrics, Readiness
 from appliance.health.peers import PeerReader, reader
 from appliance.health.probe import (
     CANARY_PROMPT,
@@ -41,7 +41,7 @@ from appliance.health.state import RestartLog
 from appliance.health.turn import RestartTurn, ready_reason
 from appliance.health.units import ServerControl, UnitError
 from appliance.health.watch import Observation, Watch
-from appliance.plan.resolved import Appliance
+from appliance.plan.resolved import NOT_READY, Appliance
 from appliance.runtime.notify import Notifier
 from appliance.runtime.server_api import ServerApi, read_api_key
 from appliance.spec.model import Spec

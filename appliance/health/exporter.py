@@ -20,6 +20,7 @@ from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import RestrictedRegistry
 
+from appliance.plan.resolved import NOT_READY
 from appliance.spec.address import is_ipv6
 from appliance.system import metric_names as metric
 
@@ -233,11 +234,6 @@ class Metrics:
             self.canaries.labels(outcome)
 
 
-# Why /ready answers 503; "loading" until the first check has seen the server (a fresh daemon knows nothing).
-# "warming": up, its warm-up completion not done yet. "degraded": it serves, but slower than it should until the
-# restart it waits for (decay latched, on the CPU where the spec says GPU). "saturated": every slot busy and
-# requests queued (asked live at each /ready, not at the daemon's checks).
-NOT_READY = ("loading", "warming", "down", "draining", "restarting", "degraded", "saturated")
 # What /ready tells the fleet's other daemons beside its status (the min_ready guard reads them, health/peers.py):
 # how long this host has been ready, whether it has claimed the next restart turn, and which restart it wants.
 READY_SECONDS = "X-Llm-Appliance-Ready-Seconds"

@@ -3,6 +3,7 @@ and `llm-appliance up` (launcher and daemon together, no systemd)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ from appliance.health.daemon import DaemonConfig, HealthDaemon
 from appliance.health.exporter import Metrics, Readiness, serve
 from appliance.health.privileges import AS_CURRENT_USER, become, prepare, say_what_is_not_enforced, service_user
 from appliance.health.requests import Reason, RestartRequests
+from appliance.health.router import start_beside_up
 from appliance.health.state import RestartLog
 from appliance.health.units import SystemdUnit, UnitError
 from appliance.plan.resolved import Appliance
@@ -24,6 +26,7 @@ from appliance.runtime.launch import Launcher, LaunchPlan
 from appliance.runtime.notify import Notifier
 from appliance.runtime.running import announced
 from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
+from appliance.runtime.server_process import stop
 from appliance.system import paths
 
 log = logging.getLogger("llm-appliance.health")
@@ -154,6 +157,8 @@ class LauncherControl:
 def up(appliance: Appliance, stop_timeout: float, as_current_user: bool = False) -> int:
     """Launcher in the foreground, health daemon and exporter beside it; Ctrl-C stops both. Started by root, it
     becomes the service user first (unless `as_current_user`, for tests), as the units' User= would."""
+    # The router holds the upstream's key: started while root can still give it a user of its own.
+    router = start_beside_up(appliance, as_current_user)
     if os.geteuid() == 0 and not as_current_user:
         who = service_user("up")
         ruleset = prepare(appliance, who)
@@ -181,4 +186,8 @@ def up(appliance: Appliance, stop_timeout: float, as_current_user: bool = False)
         code = launcher.run()
         launcher.stop_requested.set()
         thread.join(timeout=spec.health.interval_seconds + 5)
+        if router is not None:
+            # A router of its own user is `up`'s no longer to signal: it dies with `up` (its parent-death signal).
+            with contextlib.suppress(PermissionError):
+                stop(router)
     return code

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.ops import engine_build, layout, models
+from appliance.ops.router_env import ensure_router
 from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
 from appliance.render.apply import (
@@ -26,13 +27,15 @@ from appliance.render.apply import (
     write,
 )
 from appliance.render.check import require_accepted
-from appliance.render.render import FILES, RETIRED, render
+from appliance.render.render import FILES, RETIRED, ROUTER_FILES, render
+from appliance.spec.load import load_spec
 from appliance.system import paths
 from appliance.system.files import write_atomically
 from appliance.system.run import run
 from appliance.system.users import Account, account, trusted_status
 
 UNITS = (paths.SERVER_UNIT, paths.HEALTH_UNIT, paths.RESTART_TIMER)
+ROUTER_UNIT_FILE = Path("etc/systemd/system") / paths.ROUTER_UNIT
 HOLD_PATTERNS = ("nvidia-", "libnvidia-", "cuda-", "libcuda", "libcublas", "libcudnn", "xserver-xorg-video-nvidia")
 UNATTENDED_BLACKLIST = Path("/etc/apt/apt.conf.d/51llm-appliance-hold-nvidia")
 
@@ -76,6 +79,8 @@ def install(options: Options) -> Report:
         # Root's directory, root's files: the service user reads the models and can change none of them.
         models.fetch(options.under(paths.MODELS), (models.SMOLLM2,), log=True)
     copy_specs(options, report, who)
+    if options.live and load_spec(options.under(paths.ETC) / options.spec.name).spec.fallback is not None:
+        ensure_router(report.did)
     applied = apply_spec(options, report)
     if options.live and systemd_running():
         enable_units(options, report, restart=bool(applied))
@@ -177,18 +182,19 @@ def apply_spec(options: Options, report: Report) -> list[Change]:
 
 def enable_units(options: Options, report: Report, restart: bool) -> None:
     """Enable the units; start what is not running; restart a running server whose files changed."""
-    for unit in UNITS:
+    router = (options.root / ROUTER_UNIT_FILE).is_file()
+    for unit in (*UNITS, *([paths.ROUTER_UNIT] if router else [])):
         if run(["systemctl", "is-enabled", "--quiet", unit], check=False).returncode != 0:
             run(["systemctl", "enable", unit])
             report.did(f"enabled {unit}")
     if not options.start:
         return
-    for unit in (paths.SERVER_UNIT, paths.RESTART_TIMER):
+    for unit in (paths.SERVER_UNIT, paths.RESTART_TIMER, *([paths.ROUTER_UNIT] if router else [])):
         if run(["systemctl", "is-active", "--quiet", unit], check=False).returncode != 0:
             log(f"starting {unit} (the server returns once the model is loaded)")
             run(["systemctl", "start", unit])
             report.did(f"started {unit}")
-        elif restart and unit == paths.SERVER_UNIT:
+        elif restart and unit in (paths.SERVER_UNIT, paths.ROUTER_UNIT):
             run(["systemctl", "restart", unit])
             report.did(f"restarted {unit} for the new configuration")
 
@@ -199,14 +205,14 @@ def uninstall(root: Path = Path("/"), purge: bool = False) -> Report:
     report = Report()
     live = root == Path("/")
     if live and systemd_running():
-        for unit in (*UNITS, paths.RESTART_UNIT):
+        for unit in (*UNITS, paths.RESTART_UNIT, paths.ROUTER_UNIT):
             if (
                 run(["systemctl", "is-enabled", "--quiet", unit], check=False).returncode == 0
                 or run(["systemctl", "is-active", "--quiet", unit], check=False).returncode == 0
             ):
                 run(["systemctl", "disable", "--now", unit], check=False)
                 report.did(f"stopped and disabled {unit}")
-    for relative in (*FILES, *RETIRED):
+    for relative in (*FILES, *ROUTER_FILES, *RETIRED):
         target = root / relative
         if target.exists():
             target.unlink()
@@ -220,19 +226,21 @@ def uninstall(root: Path = Path("/"), purge: bool = False) -> Report:
         report.did(f"removed the nftables table inet {paths.NFT_TABLE}")
     if live and systemd_running():
         run(["systemctl", "daemon-reload"])
-    engine_dir = root / paths.ENGINE_DIR.relative_to("/")
-    if engine_dir.exists():
-        shutil.rmtree(engine_dir)
-        report.did(f"removed {engine_dir}")
+    for directory in (paths.ENGINE_DIR, paths.ROUTER_VENV):
+        target = root / directory.relative_to("/")
+        if target.exists():
+            shutil.rmtree(target)
+            report.did(f"removed {target}")
     if purge:
         for directory in (paths.ETC, paths.LIB, engine_build.CACHE_DIR):
             target = root / directory.relative_to("/")
             if target.exists():
                 shutil.rmtree(target)
                 report.did(f"removed {target}")
-        if live and run(["id", paths.SERVICE_USER], check=False).returncode == 0:
-            run(["userdel", paths.SERVICE_USER])
-            report.did(f"removed the user {paths.SERVICE_USER}")
+        for user in (paths.ROUTER_USER, paths.SERVICE_USER):  # the router's first: it is in the other's group
+            if live and run(["id", user], check=False).returncode == 0:
+                run(["userdel", user])
+                report.did(f"removed the user {user}")
     else:
         log(f"kept {paths.ETC}, {paths.LIB} and {engine_build.CACHE_DIR} (--purge removes them)")
     if not report.changed:

@@ -28,7 +28,7 @@ from appliance.system import paths
 
 # The snapshot's format: its fields are the Appliance's, every one required. A snapshot of another version
 # (or lacking a field) is refused, and apply writes a new one: it never reads as something it does not say.
-SNAPSHOT_VERSION = 2
+SNAPSHOT_VERSION = 3
 SNAPSHOT = paths.RENDERED / "appliance.json"
 REAPPLY = "re-run `llm-appliance apply SPEC`"
 PRIVILEGED_PORTS = 1024  # below it binding needs CAP_NET_BIND_SERVICE (net.ipv4.ip_unprivileged_port_start)
@@ -80,6 +80,44 @@ class Endpoint:
         return (network_of(self.host),)
 
 
+# Why /ready answers 503 (the health exporter's), each a state in which the local server cannot or should not
+# take a request now: "loading" until the daemon's first check saw the server, "warming" before its warm-up
+# completion, "degraded" serving slower than it should until the restart it waits for (decay latched, on the CPU
+# where the spec says GPU), "saturated" every slot busy and requests queued.
+NOT_SERVING = ("loading", "warming", "down", "draining", "restarting", "degraded")
+NOT_READY = (*NOT_SERVING, "saturated")
+# The reasons that send a request to the upstream, by `fallback.when`.
+FALLBACK_REASONS = {"down": NOT_SERVING, "busy": ("saturated",), "both": NOT_READY}
+
+
+@dataclass(frozen=True)
+class Router:
+    """The router in front of the local server ([fallback]): where clients connect, the two backends, and when
+    the second one answers."""
+
+    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
+
+    endpoint: Endpoint  # server.host, fallback.port
+    local_url: str  # llama-server's OpenAI API
+    ready_url: str  # the health daemon's /ready, which the router's gate asks before each request
+    fallback_reasons: tuple[str, ...]  # /ready's reasons that send a request to the upstream
+    upstream: Endpoint  # the upstream's host and port, the one place the router's unit may dial out to
+    upstream_url: str
+    upstream_tls: bool
+    model: str  # the upstream's model name; clients send the local alias to both
+    upstream_key_file: Path | None
+    timeout_seconds: int
+    cooldown_seconds: int
+
+    def ip_allow(self, appliance: Appliance) -> tuple[str, ...]:
+        """The router unit's IPAddressAllow= besides localhost: its clients (network.allow), its own address
+        beyond loopback, and the upstream, the one address it dials out to."""
+        own = self.endpoint.own_address + appliance.server.own_address + appliance.exporter.own_address
+        # A name is only possible with egress = "allow", where the unit filters no address (spec checks).
+        upstream = (network_of(self.upstream.host),) if ip_address(self.upstream.host) else ()
+        return _unique((*appliance.allow_v4, *appliance.allow_v6, *own, *upstream))
+
+
 @dataclass(frozen=True)
 class Appliance:
     """Each field is one line of the snapshot (`spec` and `spec_file` at its top, the rest under "resolved")."""
@@ -119,6 +157,7 @@ class Appliance:
     server_binds: tuple[str, ...]
     health_binds: tuple[str, ...]
     restart_binds: tuple[str, ...]
+    router: Router | None  # [fallback]: a router in front of the server, with the upstream as its second backend
 
     @property
     def health_url(self) -> str:
@@ -246,6 +285,32 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
         server_binds=plan.sandbox.server_binds,
         health_binds=plan.sandbox.health_binds,
         restart_binds=plan.sandbox.restart_binds,
+        router=_router(spec),
+    )
+
+
+def _router(spec: Spec) -> Router | None:
+    fallback = spec.fallback
+    if fallback is None:
+        return None
+    server, exporter = (
+        Endpoint(spec.server.host, spec.server.port),
+        Endpoint(spec.prometheus.host, spec.prometheus.port),
+    )
+    upstream = urllib.parse.urlsplit(fallback.base_url)
+    tls = upstream.scheme == "https"
+    return Router(
+        endpoint=Endpoint(spec.server.host, fallback.port),
+        local_url=f"{server.url}/v1",
+        ready_url=f"{exporter.url}/ready",
+        fallback_reasons=FALLBACK_REASONS[fallback.when],
+        upstream=Endpoint(upstream.hostname or "", upstream.port or (443 if tls else 80)),
+        upstream_url=fallback.base_url,
+        upstream_tls=tls,
+        model=fallback.model,
+        upstream_key_file=fallback.api_key_file,
+        timeout_seconds=fallback.timeout_seconds,
+        cooldown_seconds=fallback.cooldown_seconds,
     )
 
 
@@ -287,7 +352,7 @@ def _change(old: Any, new: Any) -> str:
 def _spec_document(spec: Spec) -> dict[str, Any]:
     # A single appliance has no [fleet] (nor, mostly, a [cost]): left out, its snapshot reads as before they existed.
     document = spec.model_dump(mode="json")
-    for optional in ("fleet", "cost"):
+    for optional in ("fleet", "cost", "fallback"):
         if document.get(optional) is None:
             document.pop(optional, None)
     # Nor, mostly, the n-gram types' sub-tables.

@@ -16,16 +16,20 @@ from appliance.plan.sandbox import hidden
 from appliance.spec.model import Spec
 from appliance.spec.problems import Problem, error, warning
 from appliance.system import paths
-from appliance.system.users import Access, account, closed_directories, denied_as
+from appliance.system.users import Access, account, closed_directories, denied_as, stranger
 
 API_KEY = "server.api_key_file"
 SCRAPE_KEY = "prometheus.scrape_key_file"
 USER = paths.SERVICE_USER
 PROMETHEUS_USER = "prometheus"  # as Debian's prometheus package creates it
+UPSTREAM_KEY = "fallback.api_key_file"
+ROUTER_USER = paths.ROUTER_USER
 
 
 def key_problems(spec: Spec) -> list[Problem]:
-    found: list[Problem] = []
+    found: list[Problem] = (
+        _upstream_key(spec.fallback.api_key_file) if spec.fallback and spec.fallback.api_key_file else []
+    )
     api, keys = spec.server.api_key_file, None
     if api is not None:
         text = _read(API_KEY, api, f"install -m 0640 -o root -g {USER} /dev/null {api}; write one key per line", found)
@@ -210,3 +214,48 @@ def _group(gid: int) -> str:
         return grp.getgrgid(gid).gr_name
     except KeyError:
         return f"gid {gid}"
+
+
+def _upstream_key(path: Path) -> list[Problem]:
+    """The upstream's key: one line, which the router's user reads and nobody else does, the service user least
+    of all (a compromised llama-server must not be able to spend the team's cloud account)."""
+    create = f"install -m 0640 -o root -g {ROUTER_USER} /dev/null {path}; write the upstream's key into it"
+    found: list[Problem] = []
+    text = _read(UPSTREAM_KEY, path, create, found)
+    if text is None:
+        return found
+    token = bearer_token(text)
+    if not token or "\n" in token or "\r" in token:
+        found.append(error(UPSTREAM_KEY, f"{path} must hold the upstream's key alone, on one line", create))
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o007:
+        found.append(
+            error(
+                UPSTREAM_KEY,
+                f"{path}: mode {mode:04o} gives the upstream's key to every user on this machine",
+                f"chown root:{ROUTER_USER} {path} && chmod 0640 {path}",
+            )
+        )
+    router = account(ROUTER_USER) or stranger(ROUTER_USER)
+    refused = denied_as(router, [Access(path)]).get(Access(path))
+    if refused:
+        closed = closed_directories(path, router)
+        through = " && ".join(f"chmod {owner}+x {directory}" for directory, owner in closed)
+        found.append(
+            error(
+                UPSTREAM_KEY,
+                f"the router reads {path} as {ROUTER_USER}, and cannot: {refused}",
+                (f"let it through: {through}; and " if through else "")
+                + f"chown root:{ROUTER_USER} {path} && chmod 0640 {path}",
+            )
+        )
+    service = account(USER)
+    if service is not None and not denied_as(service, [Access(path)]):
+        found.append(
+            error(
+                UPSTREAM_KEY,
+                f"{USER} (llama-server's user) can read {path}: a compromised server could spend the upstream account",
+                f"chown root:{ROUTER_USER} {path} && chmod 0640 {path}",
+            )
+        )
+    return found

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import urllib.parse
+
+from appliance.spec.address import ip_address
 from appliance.spec.base import QUANTIZED_CACHE
 from appliance.spec.load import LoadedSpec
 from appliance.spec.model import Model, Spec
@@ -16,7 +19,7 @@ NGRAM_MOD_N_MIN, NGRAM_MOD_N_MAX = 48, 64
 def spec_problems(loaded: LoadedSpec) -> list[Problem]:
     spec = loaded.spec
     found = draft_length_problems(spec.speculative) + _draft_type_problems(spec) + _ngram_problems(spec.speculative)
-    found += _exposure_problems(loaded)
+    found += _exposure_problems(loaded) + _fallback_problems(spec)
     for role, model in (("target", spec.models.target), ("draft", spec.models.draft)):
         if model is not None:
             found += _cache_problems(f"models.{role}", model, spec.server.flash_attn)
@@ -122,6 +125,51 @@ def _exposure_problems(loaded: LoadedSpec) -> list[Problem]:
                 "prometheus.scrape_key_file",
                 "is set, but server.api_key_file is not: llama-server asks no key",
                 "remove prometheus.scrape_key_file, or set server.api_key_file",
+            )
+        )
+    return found
+
+
+def _fallback_problems(spec: Spec) -> list[Problem]:
+    """Private code never leaves the machine; the router's port is its own."""
+    fallback, found = spec.fallback, []
+    if spec.network.private and spec.network.egress != "deny":
+        found.append(
+            error(
+                "network.egress",
+                'is "allow" with network.private = true: private code must not be able to leave this machine',
+                'set egress = "deny" (or private = false)',
+            )
+        )
+    if fallback is None:
+        return found
+    if spec.network.private:
+        found.append(
+            error(
+                "fallback",
+                "network.private = true forbids a fallback: a request the local server cannot serve would be sent "
+                f"to {fallback.base_url}",
+                "remove [fallback], or set network.private = false for a spec whose code may leave the machine",
+            )
+        )
+    host = urllib.parse.urlsplit(fallback.base_url).hostname or ""
+    if spec.network.egress == "deny" and ip_address(host) is None:
+        found.append(
+            error(
+                "fallback.base_url",
+                f'names the host {host!r}: with network.egress = "deny" the router may dial exactly the upstream\'s '
+                "address, which the ruleset must state (it cannot follow a name's DNS answers)",
+                "write the upstream's IP address in the URL (keep the name for TLS in your notes), or set "
+                'network.egress = "allow"',
+            )
+        )
+    taken = {spec.server.port: "server.port", spec.prometheus.port: "prometheus.port"}
+    if fallback.port in taken:
+        found.append(
+            error(
+                "fallback.port",
+                f"the router would listen on {taken[fallback.port]} {fallback.port}",
+                f"choose another port, e.g. fallback.port = {max(taken) + 1}",
             )
         )
     return found

@@ -1,0 +1,122 @@
+"""The router unit's entry point (`llm-appliance router`), and the router beside `up`.
+
+LiteLLM's proxy runs from its own virtualenv (paths.ROUTER_VENV) with the config and the /ready gate that
+render wrote (render/render.py ROUTER_FILES). The keys reach it through its environment, read here from their
+files: never through its command line, its unit or its config, and nothing logs them. Started by root (`up`), it
+becomes the router's own user once the keys are read, so the upstream's key is the router's and root's alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from appliance.plan.resolved import Appliance, Router
+from appliance.render.render import ROUTER_FILES, render
+from appliance.runtime.server_api import read_api_key
+from appliance.runtime.server_process import die_with_parent
+from appliance.system import paths
+from appliance.system.files import write_atomically
+from appliance.system.run import Popen, spawn
+from appliance.system.users import account, drop_to
+
+log = logging.getLogger("llm-appliance.router")
+LITELLM = paths.ROUTER_VENV / "bin" / "litellm"
+NO_KEY = "none"  # what LiteLLM's OpenAI provider sends to a server that asks no key (it must send one)
+
+
+class RouterError(Exception):
+    """The router cannot start; the message says why and what to do."""
+
+
+def router_argv(router: Router, config_dir: Path, litellm: Path = LITELLM) -> list[str]:
+    # One worker: the gate's and the cooldowns' state live in the process, and a 2-core box has no CPU to spare.
+    host, port = router.endpoint.host, str(router.endpoint.port)
+    return [
+        str(litellm),
+        "--config",
+        str(config_dir / "config.yaml"),
+        "--host",
+        host,
+        "--port",
+        port,
+        "--num_workers",
+        "1",
+    ]
+
+
+def router_environment(appliance: Appliance, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The router's environment: the keys (read here, as the user this process is), the gate's /ready, and
+    LiteLLM told to stay offline (its price map is bundled; it sends no telemetry)."""
+    router = appliance.router
+    if router is None:
+        raise RouterError(f"{appliance.spec_file} has no [fallback]: there is no router to run")
+    local_key = read_api_key(appliance.api_key_file) or NO_KEY
+    try:
+        upstream_key = read_api_key(router.upstream_key_file) or NO_KEY
+    except OSError as exc:
+        raise RouterError(f"cannot read fallback.api_key_file {router.upstream_key_file}: {exc.strerror}") from None
+    environment = dict(os.environ if base is None else base)
+    environment.update(
+        LLM_APPLIANCE_LOCAL_KEY=local_key,
+        LLM_APPLIANCE_UPSTREAM_KEY=upstream_key,
+        LLM_APPLIANCE_READY_URL=router.ready_url,
+        LLM_APPLIANCE_FALLBACK_REASONS=",".join(router.fallback_reasons),
+        LITELLM_LOCAL_MODEL_COST_MAP="True",
+        LITELLM_TELEMETRY="False",
+        NO_DOCS="True",
+    )
+    if appliance.api_key_file is not None:
+        environment["LLM_APPLIANCE_ROUTER_KEY"] = local_key
+    return environment
+
+
+def run_router(appliance: Appliance, config_dir: Path, as_current_user: bool = False) -> int:
+    """Exec LiteLLM's proxy; it never returns but for an error."""
+    if appliance.router is None:
+        raise RouterError(f"{appliance.spec_file} has no [fallback]: there is no router to run")
+    if not LITELLM.is_file():
+        raise RouterError(f"{LITELLM} is missing: `llm-appliance install` makes the router's virtualenv")
+    environment = router_environment(appliance)
+    if os.geteuid() == 0 and not as_current_user:
+        who = account(paths.ROUTER_USER)
+        if who is None:
+            raise RouterError(f"the router's user {paths.ROUTER_USER} does not exist: `llm-appliance install` makes it")
+        drop_to(who)
+        environment.update(HOME="/tmp", USER=who.name, LOGNAME=who.name)
+    # Started by `up`: gone with it, even once `up` (the service user by then) may no longer signal it. Set after
+    # the drop, which clears it; execve keeps it.
+    die_with_parent()
+    argv = router_argv(appliance.router, config_dir)
+    log.info("+ %s", " ".join(argv))
+    os.execve(argv[0], argv, environment)
+    return 1  # pragma: no cover - execve does not return
+
+
+def start_beside_up(appliance: Appliance, as_current_user: bool) -> Popen[str] | None:
+    """`up` with [fallback]: the router's files rendered into a directory of root's (its user reads, nobody
+    else writes: it loads the gate as code), and the router started from them, before `up` drops."""
+    if appliance.router is None:
+        return None
+    directory = Path(tempfile.mkdtemp(prefix="llm-appliance-router-"))
+    directory.chmod(0o755)
+    rendered = render(appliance)
+    for relative in ROUTER_FILES:
+        if relative.startswith(str(paths.ROUTER_DIR.relative_to("/"))):
+            write_atomically(directory / Path(relative).name, rendered[relative], mode=0o644)
+    snapshot = directory / "appliance.json"
+    write_atomically(snapshot, appliance.to_json("written by `llm-appliance up` for its router"), mode=0o644)
+    argv = [
+        sys.executable,
+        "-m",
+        "appliance.cli",
+        "router",
+        "--snapshot",
+        str(snapshot),
+        "--config-dir",
+        str(directory),
+    ]
+    return spawn(argv + (["--as-current-user"] if as_current_user else []))
