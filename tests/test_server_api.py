@@ -18,7 +18,7 @@ def event(chunk: dict[str, object]) -> bytes:
     return f"data: {json.dumps(chunk)}\n\n".encode()
 
 
-DELTA = {"choices": [{"delta": {"content": "Hel"}, "finish_reason": None}]}
+DELTA = {"model": "m", "choices": [{"delta": {"content": "Hel"}, "finish_reason": None}]}
 LAST = {"choices": [{"delta": {"content": "lo"}, "finish_reason": "stop"}], "timings": {"predicted_n": 2}}
 STREAMS: dict[str, tuple[int, list[bytes]]] = {
     "/whole": (200, [event(DELTA), event(LAST), b"data: [DONE]\n\n"]),
@@ -61,7 +61,7 @@ def api() -> Iterator[ServerApi]:
 def test_a_whole_stream_is_complete_with_its_text_timings_and_backend(api: ServerApi) -> None:
     answer = api.stream("/whole?n=3", {"messages": []}, served_by_header="X-Served-By")
     assert (answer.status, answer.chunks, answer.done, answer.complete) == (200, 2, True, True)
-    assert answer.text == "Hello" and answer.final == LAST and answer.served_by == "local"
+    assert answer.text == "Hello" and answer.final == LAST and answer.served_by == "local" and answer.model == "m"
     assert answer.first_content_seconds is not None and answer.error == ""
 
 

@@ -44,6 +44,7 @@ class Streamed:
     final: dict[str, Any] | None = None  # the chunk carrying llama-server's `timings`
     parts: list[str] = field(default_factory=list)
     served_by: str | None = None  # a balancer's or router's header naming the backend that answered
+    model: str | None = None  # the model the answer names (its first chunk's)
     error: str = ""
 
     @property
@@ -175,6 +176,7 @@ class ServerApi:
                     return
                 chunk: dict[str, Any] = json.loads(payload)
                 answer.chunks += 1
+                answer.model = answer.model or chunk.get("model")
                 choices = chunk.get("choices") or [{}]
                 content = str(chunk.get("content") or (choices[0].get("delta") or {}).get("content") or "")
                 if content and answer.first_content_seconds is None:
