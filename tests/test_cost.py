@@ -11,7 +11,7 @@ from appliance.measure.bench_report import BenchResult, Side, format_table
 from appliance.measure.config import NO_SPECULATION, Config
 from appliance.measure.cost import PerMillion, Usage
 from appliance.measure.measure import Sample, WorkloadResult
-from appliance.spec.model import Cost
+from appliance.spec.model import Cost, Fallback
 
 # 0.30 per kWh; 3506.4 over 4 years (35064 hours) is 0.1 per hour at full use.
 COST = Cost(currency="EUR", price_per_kwh=0.30, hardware_price=3506.4, lifetime_years=4)
@@ -91,6 +91,19 @@ def test_the_table_says_joules_per_token_and_the_cost_with_and_without_the_draft
     )
     assert "  with speculation  0.6 electricity + 1 depreciation = 1.6" in table
     assert "  no speculation    0.3 electricity + 0.5 depreciation = 0.8" in table
+
+
+def test_the_fallbacks_price_stands_beside_the_local_cost() -> None:
+    draft = [result("chat", sample(100, 3.6, 720.0))]
+    plain = [result("chat", sample(100, 1.8, 360.0))]
+    upstream = Fallback(base_url="http://192.0.2.10:8000/v1", model="big-coder", price_per_million_output_tokens=10.0)
+    outcome = bench(draft, plain, energy_sources=("rapl",), cost=COST, fallback=upstream)
+    assert (
+        "  fallback (big-coder at http://192.0.2.10:8000/v1, as the spec states): - per million input tokens, "
+        "10 per million output tokens" in format_table(outcome).splitlines()
+    )
+    assert outcome.to_json()["cost"]["per_million_tokens"]["fallback"] == {"input": None, "output": 10.0}
+    assert "fallback" not in format_table(bench(draft, plain, energy_sources=("rapl",), cost=COST))
 
 
 def test_energy_that_cannot_be_read_is_said_once_and_priced_at_nothing() -> None:

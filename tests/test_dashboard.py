@@ -34,7 +34,7 @@ DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 GPU_METRICS = re.compile(r"llm_appliance_(gpu_memory_\w+|server_vram_\w+)")
 SPECULATION_METRICS = re.compile(r"llamacpp:spec_decode_|llm_appliance_speculation_")
 # A series named in an expr, and the matchers after it.
-SELECTOR = re.compile(r"(?P<metric>\bup\b|llm_appliance_\w+|llamacpp:\w+)(?P<matchers>\{[^}]*\})?")
+SELECTOR = re.compile(r"(?P<metric>\bup\b|llm_appliance_\w+|llamacpp:\w+|litellm_\w+)(?P<matchers>\{[^}]*\})?")
 
 
 def dashboard_of(files: dict[str, str]) -> dict[str, Any]:
@@ -108,6 +108,7 @@ def test_every_selector_carries_the_specs_labels(
         value = {
             "demo.toml": "demo",
             "demo-draft.toml": "demo",
+            "demo-fallback.toml": "demo",
             "appliance.toml": "workstation",
             "dual-gpu.toml": "dual-gpu",
         }[name]

@@ -15,23 +15,27 @@ the upstream's answers name its own model. The counts are printed (pytest -s) fo
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from conftest import start_up
+from prometheus_client.parser import text_string_to_metric_families
 from test_health_daemon import server_pids, wait_ready, wait_until
 from test_launch import LOAD_SECONDS, free_port
 
 from appliance.health.router import LITELLM
 from appliance.runtime.server_api import ServerApi, Streamed
+from appliance.system import metric_names as metric
 from appliance.system import paths
 
 pytestmark = [pytest.mark.engine, pytest.mark.system]
@@ -140,6 +144,19 @@ def ask(router: ServerApi) -> Streamed:
     return router.stream("/v1/chat/completions", body, REQUEST_SECONDS, served_by_header=ANSWERED_BY)
 
 
+def router_answers(port: int) -> dict[str, float]:
+    """The router's answers by backend, from its /metrics/ (LiteLLM's exposition)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics/", timeout=30) as response:
+        text = response.read().decode()
+    answers: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == metric.ROUTER_ANSWERS_TOTAL:
+                model = sample.labels["model_id"]
+                answers[model] = answers.get(model, 0.0) + sample.value
+    return answers
+
+
 def wait_router(router: ServerApi, process: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> None:
     def alive() -> bool:
         assert process is None or process.poll() is None, "the router exited:\n" + (log.read_text() if log else "")
@@ -198,6 +215,17 @@ def test_up_starts_the_router_local_first_and_a_draining_restart_goes_upstream(
         counts = traffic.count()
         print(f"\nup + router, draining restart: sent {len(traffic.answers)}, {dict(counts)}")
         assert set(counts) == {"local", "fallback"}, counts  # none failed
+        # The router's own metrics count the answers by backend, as its Prometheus job scrapes them.
+        answered = router_answers(router_port)
+        assert answered["local"] >= counts["local"] and answered["fallback"] >= counts["fallback"], answered
+        shown = subprocess.run(
+            [sys.executable, "-m", "appliance.cli.main", "status", str(spec), "--state-dir", str(state), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=REQUEST_SECONDS,
+        )
+        share = json.loads(shown.stdout)["fallback_share"]
+        assert share == pytest.approx(answered["fallback"] / sum(answered.values()), abs=0.2), shown.stdout
         # The upstream answered as itself; the local server under the alias clients send.
         models = {(a.served_by, a.model) for a in traffic.answers}
         assert models == {("local", "smollm2-135m-instruct"), ("fallback", UPSTREAM_MODEL)}, models

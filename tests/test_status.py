@@ -250,6 +250,15 @@ def test_the_share_other_processes_took_is_shown_and_a_shared_box_is_not_degrade
     assert not any(line.startswith("machine") for line in format_status(_seen()).splitlines())
 
 
+def test_the_share_of_answers_the_fallback_gave_is_shown() -> None:
+    assert not any(line.startswith("router") for line in format_status(_seen()).splitlines())  # no [fallback]
+    assert "router   no answers counted yet" in format_status(_seen(router_answers={})).splitlines()
+    seen = _seen(router_answers={"local": 30.0, "fallback": 10.0})
+    assert "router   answers since it started: fallback 10, local 30; 25% by the fallback" in format_status(seen)
+    assert seen.document()["fallback_share"] == 0.25
+    assert assess(seen) == ("healthy", [])  # the fallback answering is what it is for, not a fault
+
+
 def test_energy_per_token_is_shown_where_a_meter_was_read() -> None:
     seen = _seen(metrics={"llm_appliance_energy_per_token_joules": [({"source": "nvml"}, 0.42)]})
     assert "energy   nvml 0.42 J/token" in format_status(seen).splitlines()

@@ -134,6 +134,7 @@ def run_bench(
         energy_sources=energy.sources,
         energy_unreadable=dict(energy.unreadable),
         cost=spec.cost,
+        fallback=spec.fallback,
     )
 
 

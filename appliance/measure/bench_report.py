@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from appliance.measure.config import Config
-from appliance.measure.cost import PerMillion, Usage, cost_lines, energy_lines
+from appliance.measure.cost import PerMillion, Usage, cost_lines, energy_lines, fallback_prices
 from appliance.measure.measure import CONTENDED_SHARE, OutputMatch, Stats, WorkloadResult
-from appliance.spec.model import Cost
+from appliance.spec.model import Cost, Fallback
 from appliance.system import paths
 from appliance.system.files import write_atomically
 
@@ -53,6 +53,7 @@ class BenchResult:
     energy_sources: tuple[str, ...] = ()  # the meters read around every request
     energy_unreadable: dict[str, str] = field(default_factory=dict)  # source -> why it was not read
     cost: Cost | None = None  # the spec's [cost]
+    fallback: Fallback | None = None  # the spec's [fallback]: what its upstream charges, beside the local cost
 
     @property
     def workloads(self) -> list[str]:
@@ -150,6 +151,7 @@ class BenchResult:
             "per_million_tokens": {
                 "speculative": speculative.to_json(self.cost),
                 "no_speculation": no_speculation.to_json(self.cost),
+                **({"fallback": fallback_prices(self.fallback)} if self.fallback else {}),
             },
         }
 
@@ -226,7 +228,7 @@ def format_table(result: BenchResult) -> str:
     usages = result.usages()
     lines += ["", *energy_lines(result.energy_sources, result.energy_unreadable, usages)]
     if result.cost is not None:
-        lines += cost_lines(result.cost, usages)
+        lines += cost_lines(result.cost, usages, result.fallback)
     return "\n".join(lines)
 
 

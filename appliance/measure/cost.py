@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.measure.measure import WorkloadResult
-from appliance.spec.model import Cost
+from appliance.spec.model import Cost, Fallback
 
 JOULES_PER_KWH = 3.6e6
 MILLION = 1e6
@@ -108,8 +108,14 @@ def energy_lines(sources: tuple[str, ...], unreadable: Mapping[str, str], usages
     return lines
 
 
-def cost_lines(cost: Cost, usages: Mapping[str, Usage]) -> list[str]:
-    """The price of a million generated tokens for each side, with what it assumes."""
+def fallback_prices(fallback: Fallback) -> dict[str, float | None]:
+    """What the upstream of [fallback] charges per million tokens, as the spec states it (not measured)."""
+    return {"input": fallback.price_per_million_input_tokens, "output": fallback.price_per_million_output_tokens}
+
+
+def cost_lines(cost: Cost, usages: Mapping[str, Usage], fallback: Fallback | None = None) -> list[str]:
+    """The price of a million generated tokens for each side, with what it assumes; and beside them, what the
+    fallback's upstream charges, so a team sees what its answers cost."""
     currency = f" {cost.currency}" if cost.currency else ""
     assumed = []
     if cost.price_per_kwh is not None:
@@ -136,6 +142,10 @@ def cost_lines(cost: Cost, usages: Mapping[str, Usage]) -> list[str]:
             f"  {side:<{width}}  {' + '.join(parts)}"
             + (f" = {total:.4g}" if total is not None and len(parts) > 1 else "")
         )
+    if fallback is not None:
+        prices = fallback_prices(fallback)
+        stated = ", ".join(f"{_figure(price, 'g')} per million {kind} tokens" for kind, price in prices.items())
+        lines.append(f"  fallback ({fallback.model} at {fallback.base_url}, as the spec states): {stated}")
     return lines
 
 

@@ -70,6 +70,9 @@ class Status:
     restarts: list[tuple[float, str]] = field(default_factory=list)
     asked: str | None = None  # a restart asked for and not done yet: "scheduled (waiting)", "manual (in progress)"
     spec_differences: list[str] = field(default_factory=list)
+    # [fallback]: the router's answers by backend ("local", "fallback"), from its /metrics/; None without one,
+    # {} when it does not answer.
+    router_answers: dict[str, float] | None = None
     health: Health = "down"
     problems: list[str] = field(default_factory=list)
 
@@ -99,6 +102,12 @@ class Status:
             "contended_samples": self.value(metric.DECODE_CONTENDED_SAMPLES_TOTAL),
         }
 
+    def fallback_share(self) -> float | None:
+        """The share of the router's answers the upstream gave, since the router started."""
+        answers = self.router_answers or {}
+        total = sum(answers.values())
+        return answers.get("fallback", 0.0) / total if total else None
+
     def document(self) -> dict[str, object]:
         """--json: the same facts, for scripts."""
         shown = asdict(self)
@@ -108,6 +117,7 @@ class Status:
         shown["speculation_speedup"] = self.speedups()
         shown["acceptance"] = self.acceptance()
         shown["contention"] = self.contention()
+        shown["fallback_share"] = self.fallback_share()
         shown["exit_code"] = EXIT[self.health]
         return shown
 
@@ -137,6 +147,12 @@ def gather(appliance: Appliance, spec_differences: list[str]) -> Status:
     if not (ready.reason or "").startswith("unreachable"):
         seen.ready = ready
         seen.metrics = _scrape(appliance.exporter.url.rstrip("/") + "/metrics")
+    if appliance.router is not None:
+        answered = _scrape(f"{appliance.router.endpoint.url}/metrics/").get(metric.ROUTER_ANSWERS_TOTAL, [])
+        seen.router_answers = {}
+        for labels, value in answered:
+            backend = labels.get("model_id", "?")
+            seen.router_answers[backend] = seen.router_answers.get(backend, 0.0) + value
     seen.restarts = _restarts(appliance.state_file)[-LAST_RESTARTS:]
     for name, words in ((ADOPTED, "in progress"), (REQUEST, "not yet taken by the daemon")):
         asked = _read_small(state / name)
@@ -241,6 +257,7 @@ def _screen(seen: Status) -> list[str]:
         lines.append(f"decode   {bucket}: {rate:.1f} tok/s{against}{gained}")
     lines += _speculation(seen)
     lines += _machine(seen)
+    lines += _router(seen)
     lines += _memory(seen)
     energy = [
         f"{labels['source']} {value:.2f} J/token"
@@ -292,6 +309,16 @@ def _machine(seen: Status) -> list[str]:
     used = ", ".join(f"{share:.0%} of the {'CPUs' if r == 'cpu' else 'GPU'}" for r, share in sorted(shares.items()))
     verdict = "contended: decode samples not judged" if found["contended"] else "not contended"
     return [f"machine  other processes used {used}; {verdict} ({found['contended_samples'] or 0:.0f} samples so far)"]
+
+
+def _router(seen: Status) -> list[str]:
+    if seen.router_answers is None:
+        return []
+    share = seen.fallback_share()
+    if share is None:  # (LiteLLM exports no series before its first answer, nor anything when it is down)
+        return ["router   no answers counted yet"]
+    counts = ", ".join(f"{backend} {n:.0f}" for backend, n in sorted(seen.router_answers.items()))
+    return [f"router   answers since it started: {counts}; {share:.0%} by the fallback"]
 
 
 def _memory(seen: Status) -> list[str]:

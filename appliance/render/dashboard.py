@@ -54,6 +54,7 @@ class DashboardView:
     min_free_bytes: int
     min_free_mib: int
     acceptance_min: float
+    router: bool  # [fallback]: the router's answers by backend
 
     def of(self, metric: str, *matchers: str) -> str:
         return series(metric, self.labels, *matchers)
@@ -93,6 +94,7 @@ def view(appliance: Appliance, header: str) -> DashboardView:
         min_free_bytes=appliance.min_free_bytes,
         min_free_mib=spec.health.min_free_mib,
         acceptance_min=spec.health.acceptance_min,
+        router=appliance.router is not None,
     )
 
 
@@ -105,6 +107,7 @@ def dashboard(v: DashboardView) -> JSON:
         ("Overview", overview(v)),
         ("Decode", decode(v)),
         ("Load", load(v)),
+        *([("Router: local first", router(v))] if v.router else []),
         *([("GPU memory", gpu(v))] if v.server_devices else []),
         ("Restarts and versions", restarts_and_versions(v)),
         ("Health daemon", daemon(v)),
@@ -219,6 +222,24 @@ def load(v: DashboardView) -> list[Panel]:
             ),
             Target(v.rate("llamacpp:prompt_tokens_total"), "processed per second"),
             Target(v.rate("llamacpp:prompt_tokens_cached_total"), "from cache per second"),
+        ),
+    ]
+
+
+def router(v: DashboardView) -> list[Panel]:
+    answered = f"sum by (model_id) ({v.rate(metric.ROUTER_ANSWERS_TOTAL)})"
+    failed = f"sum by (model_id) ({v.rate(metric.ROUTER_FAILURES_TOTAL)})"
+    return [
+        timeseries(
+            "Answers by backend",
+            "Requests the router answered per second, by who answered: local (llama-server) or fallback (the "
+            "upstream of [fallback], when /ready said the local server could not serve, or it failed the request "
+            "before its first byte); and the failures of each backend, which the router sent on to the other.",
+            "reqps",
+            Target(answered, "{{model_id}}"),
+            Target(failed, "{{model_id}} failed"),
+            overrides=(dashed(".* failed", "red"),),
+            w=24,
         ),
     ]
 

@@ -72,3 +72,7 @@ ENERGY_PER_TOKEN_JOULES = f"{PREFIX}_energy_per_token_joules"
 # The daemon itself.
 CHECK_DURATION_SECONDS = f"{PREFIX}_check_duration_seconds"
 PROBE_ERRORS_TOTAL = f"{PREFIX}_probe_errors_total"
+
+# The router's ([fallback]), LiteLLM's own names: answers by backend, the label model_id "local" or "fallback".
+ROUTER_ANSWERS_TOTAL = "litellm_deployment_success_responses_total"
+ROUTER_FAILURES_TOTAL = "litellm_deployment_failure_responses_total"
