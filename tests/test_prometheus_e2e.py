@@ -55,7 +55,10 @@ def fast_spec(example: Callable[..., Path], server_port: int, exporter_port: int
             "port = 8080": f"port = {server_port}",
             "port = 9478": f"port = {exporter_port}",
             # A stopped server is down, not hung: `consecutive` high enough that no restart cures it for us.
-            "interval_seconds = 10": f"interval_seconds = {INTERVAL_SECONDS}\nconsecutive = 100",
+            # Contention off (1.0): what these tests prove needs decode samples, and on a busy box each would
+            # be contended and left unjudged (the daemon's contention has tests of its own).
+            "interval_seconds = 10": f"interval_seconds = {INTERVAL_SECONDS}\nconsecutive = 100\n"
+            "contention_max_share = 1.0",
             "canary_after_idle_seconds = 60": "canary_after_idle_seconds = 0",
             'labels = { appliance = "demo" }': 'labels = { appliance = "demo" }\n'
             f"scrape_interval_seconds = {INTERVAL_SECONDS}\n"
