@@ -7,12 +7,16 @@ import json
 import re
 import shutil
 import subprocess
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import EXAMPLES, KeyFile
 from pydantic import ValidationError
+from test_launch import free_port
 
 from appliance.cli.main import main
 from appliance.fleet.hosts import schedule
@@ -176,6 +180,54 @@ def test_haproxy_accepts_the_rendered_config(rendered: Path) -> None:
     # -c parses and resolves everything but binds nothing: the example's addresses need not exist here.
     result = subprocess.run([HAPROXY, "-c", "-f", str(cfg)], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.fleet
+def test_with_no_host_ready_haproxy_answers_in_the_clients_language(rendered: Path, tmp_path: Path) -> None:
+    """The rendered config, run for real on loopback with none of its hosts there: a client's request gets
+    OpenAI's error shape and a Retry-After, before any byte of an answer, which an SDK or a router can act on."""
+    port, stats, closed = free_port(), free_port(), free_port()
+    text = (rendered / "balancer/etc/haproxy/haproxy.cfg").read_text()
+    text = text.replace("bind 10.0.0.10:8000", f"bind 127.0.0.1:{port}").replace(
+        "bind 10.0.0.10:8404", f"bind 127.0.0.1:{stats}"
+    )
+    # The hosts on loopback, where nothing listens: no packet leaves for the example's addresses.
+    text = re.sub(r"10\.0\.0\.1[1-3]:8080 check port 9478", f"127.0.0.1:{closed} check port {closed}", text)
+    assert "10.0.0." not in text.split("backend llm-appliance")[1]
+    text = text.replace("log /dev/log local0", "log stdout format raw local0")
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(text)
+    with subprocess.Popen(
+        [HAPROXY, "-db", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    ) as proxy:
+        try:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                data=b'{"model": "smollm2-135m-instruct", "messages": []}',
+                headers={"Content-Type": "application/json"},
+            )
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    urllib.request.urlopen(request, timeout=30)
+                    pytest.fail("a fleet with no host answered 200")
+                except urllib.error.HTTPError as exc:
+                    status, headers, body = exc.code, exc.headers, exc.read()
+                    break
+                except urllib.error.URLError:  # not listening yet
+                    assert proxy.poll() is None and time.monotonic() < deadline, proxy.stderr
+                    time.sleep(0.1)
+        finally:
+            proxy.terminate()
+    assert status == 503 and headers["Content-Type"] == "application/json", (status, dict(headers))
+    assert headers["Retry-After"] == "2"  # the balancer's check interval
+    assert json.loads(body) == {
+        "error": {
+            "message": "no appliance of this fleet can take the request now; retry or fall back",
+            "type": "unavailable_error",
+            "code": 503,
+        }
+    }
 
 
 @pytest.mark.fleet

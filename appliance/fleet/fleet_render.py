@@ -128,6 +128,28 @@ class BackendServer:
 
 
 @dataclass(frozen=True)
+class ClientError:
+    """One of HAProxy's own error answers, in OpenAI's error shape (what SDKs, IDEs and routers parse)."""
+
+    status: int
+    body: str  # JSON, inside single quotes in the config: holds no single quote
+    retry_after: int
+
+
+def client_errors(check_interval_seconds: int) -> tuple[ClientError, ...]:
+    def error(status: int, kind: str, message: str) -> ClientError:
+        body = json.dumps({"error": {"message": message, "type": kind, "code": status}}, separators=(",", ":"))
+        assert "'" not in body
+        return ClientError(status, body, check_interval_seconds)
+
+    return (
+        error(502, "server_error", "an appliance failed while answering; send the request again"),
+        error(503, "unavailable_error", "no appliance of this fleet can take the request now; retry or fall back"),
+        error(504, "timeout_error", "the appliance did not answer in time"),
+    )
+
+
+@dataclass(frozen=True)
 class HaproxyView:
     header: str
     haproxy_version: str
@@ -142,6 +164,7 @@ class HaproxyView:
     fall: int
     rise: int
     hosts: tuple[BackendServer, ...]
+    errors: tuple[ClientError, ...]
 
 
 def _haproxy(f: Fleet, members: list[FleetHost], header: str) -> HaproxyView:
@@ -164,6 +187,7 @@ def _haproxy(f: Fleet, members: list[FleetHost], header: str) -> HaproxyView:
         fall=b.fall,
         rise=b.rise,
         hosts=servers,
+        errors=client_errors(b.check_interval_seconds),
     )
 
 
