@@ -170,15 +170,9 @@ def _scrape_key(path: Path, keys: list[str] | None) -> list[Problem]:
                 f"write into it one line of {API_KEY}",
             )
         )
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-    if mode & 0o007:
-        found.append(
-            error(
-                SCRAPE_KEY,
-                f"{path}: mode {mode:04o} gives the key to every user on this machine",
-                f"chown root:prometheus {path} && chmod 0640 {path} (the group Prometheus runs as)",
-            )
-        )
+    found += _open_to_everyone(
+        SCRAPE_KEY, path, "the key", f"chown root:prometheus {path} && chmod 0640 {path} (the group Prometheus runs as)"
+    )
     return found
 
 
@@ -227,15 +221,9 @@ def _upstream_key(path: Path) -> list[Problem]:
     token = bearer_token(text)
     if not token or "\n" in token or "\r" in token:
         found.append(error(UPSTREAM_KEY, f"{path} must hold the upstream's key alone, on one line", create))
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-    if mode & 0o007:
-        found.append(
-            error(
-                UPSTREAM_KEY,
-                f"{path}: mode {mode:04o} gives the upstream's key to every user on this machine",
-                f"chown root:{ROUTER_USER} {path} && chmod 0640 {path}",
-            )
-        )
+    found += _open_to_everyone(
+        UPSTREAM_KEY, path, "the upstream's key", f"chown root:{ROUTER_USER} {path} && chmod 0640 {path}"
+    )
     router = account(ROUTER_USER) or stranger(ROUTER_USER)
     refused = denied_as(router, [Access(path)]).get(Access(path))
     if refused:
@@ -259,3 +247,10 @@ def _upstream_key(path: Path) -> list[Problem]:
             )
         )
     return found
+
+
+def _open_to_everyone(field: str, path: Path, what: str, fix: str) -> list[Problem]:
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if not mode & 0o007:
+        return []
+    return [error(field, f"{path}: mode {mode:04o} gives {what} to every user on this machine", fix)]
