@@ -109,8 +109,11 @@ class HealthDaemon:
         meters = meters_for(appliance.server_devices, nvml) if energy is None else energy
         self.watch = Watch(appliance, self.metrics, list(meters))
         self.turn = RestartTurn(config.spec, self.requests, self.metrics, self.readiness)
+        # A fleet host's balancer queues for it (maxconn = its slots), and its peers count its /ready toward
+        # min_ready: saturation and degradation are a lone appliance's to say (to a router in front of it).
+        self.alone = not (config.spec.fleet and config.spec.fleet.peers)
         live = ServerApi(appliance.server.url, key, timeout=SATURATION_TIMEOUT_SECONDS)
-        saturation = Saturation(live, config.spec.server.parallel, health.ready_max_queued)
+        saturation = Saturation(live, config.spec.server.parallel, health.ready_max_queued) if self.alone else None
         self.readiness.refuse_when_saturated(saturation, retry_after(config.spec))
         self.restart_log = RestartLog(appliance.state_file)
         self.metrics.draft_in_use.set(1 if appliance.draft_in_use else 0)
@@ -151,8 +154,7 @@ class HealthDaemon:
             action = self.turn.step(now, seen, self.read_peers)
             if action.kind == "restart":
                 self.restart(action.reason or "unknown", action.detail, now)
-            alone = not (self.config.spec.fleet and self.config.spec.fleet.peers)
-            self.readiness.set(ready_reason(seen, self.probe.warm, self.turn.draining, action.kind, alone))
+            self.readiness.set(ready_reason(seen, self.probe.warm, self.turn.draining, action.kind, self.alone))
         except Exception:  # the daemon must outlive any surprise; say what happened and carry on
             log.exception("health check failed")
             self.metrics.probe_errors.labels("check").inc()

@@ -272,8 +272,9 @@ class Readiness:
         with self._lock:
             self._wants, self._claim = reason, claim
 
-    def refuse_when_saturated(self, saturated: Callable[[], bool], retry_after: Mapping[str, int]) -> None:
-        """Ask `saturated` at each /ready the daemon calls ready; send `Retry-After` (seconds, by reason)."""
+    def refuse_when_saturated(self, saturated: Callable[[], bool] | None, retry_after: Mapping[str, int]) -> None:
+        """Ask `saturated` (when given) at each /ready the daemon calls ready; send `Retry-After` (seconds, by
+        reason)."""
         with self._lock:
             self._saturated, self._retry_after = saturated, dict(retry_after)
 
