@@ -11,7 +11,8 @@ from appliance.measure.bench_report import BenchResult, Side, format_table
 from appliance.measure.config import NO_SPECULATION, Config
 from appliance.measure.cost import PerMillion, Usage
 from appliance.measure.measure import Sample, WorkloadResult
-from appliance.spec.model import Cost, Fallback
+from appliance.spec.fallback import Fallback
+from appliance.spec.model import Cost
 
 # 0.30 per kWh; 3506.4 over 4 years (35064 hours) is 0.1 per hour at full use.
 COST = Cost(currency="EUR", price_per_kwh=0.30, hardware_price=3506.4, lifetime_years=4)

@@ -15,7 +15,8 @@ from typing import Any, Literal
 from appliance.measure.config import Config
 from appliance.measure.cost import PerMillion, Usage, cost_lines, energy_lines, fallback_prices
 from appliance.measure.measure import CONTENDED_SHARE, OutputMatch, Stats, WorkloadResult
-from appliance.spec.model import Cost, Fallback
+from appliance.spec.fallback import Fallback
+from appliance.spec.model import Cost
 from appliance.system import paths
 from appliance.system.files import write_atomically
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.measure.measure import WorkloadResult
-from appliance.spec.model import Cost, Fallback
+from appliance.spec.fallback import Fallback
+from appliance.spec.model import Cost
 
 JOULES_PER_KWH = 3.6e6
 MILLION = 1e6
