@@ -595,6 +595,19 @@ BAD = [
         base="demo-fallback.toml",
     ),
     Case(
+        "fallback-without-the-router-installed",
+        {},
+        "fallback",
+        "the router's unit would not start: this machine lacks its virtualenv /opt/llm-appliance/router",
+        "run `llm-appliance router-install`",
+        "[fallback]",
+        base="demo-fallback.toml",
+        facts=dataclasses.replace(
+            EXAMPLE_FACTS["demo-fallback.toml"],
+            router_missing="its virtualenv /opt/llm-appliance/router (LiteLLM's proxy) and its user llm-appliance-router",
+        ),
+    ),
+    Case(
         "fallback-on-the-exporters-port",
         {"port = 8000 ": "port = 9478 "},
         "fallback.port",

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_health_daemon import server_pids, wait_ready, wait_until
 from test_launch import LOAD_SECONDS, free_port
 
+from appliance.facts.machine import router_missing
 from appliance.health.router import LITELLM
 from appliance.runtime.server_api import ServerApi, Streamed
 from appliance.system import metric_names as metric
@@ -286,6 +287,12 @@ def test_the_router_unit_sends_upstream_while_llama_server_is_killed(
             if running.poll() is None:
                 running.send_signal(signal.SIGTERM)
                 running.wait(60)
+
+
+def test_validate_knows_whether_the_router_can_start_here(tmp_path: Path) -> None:
+    assert router_missing() is None  # .ci/run installed it
+    missing = router_missing(tmp_path / "no-venv", "llm-appliance-no-such-user")
+    assert missing == f"its virtualenv {tmp_path / 'no-venv'} (LiteLLM's proxy) and its user llm-appliance-no-such-user"
 
 
 def test_the_litellm_binary_is_the_pinned_one() -> None:

@@ -6,6 +6,7 @@ Planning is pure: tests build a MachineFacts of their own instead of probing thi
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from appliance.facts.gpu import GpuMemory, Nvml, NvmlUnavailable, Pynvml
 from appliance.facts.meminfo import MEMINFO, HostMemory, MeminfoError, read_meminfo
 from appliance.spec.base import DEFAULT_BINARY
 from appliance.spec.model import Spec
+from appliance.system import paths
 from appliance.system.run import CommandFailed
 
 
@@ -27,6 +29,7 @@ class MachineFacts:
     dialect_note: str | None  # why the built-in dialect was used, when it was
     host_memory: HostMemory | None = None  # the machine's RAM; None when it cannot be read
     host_memory_error: str | None = None  # why it cannot
+    router_missing: str | None = None  # [fallback]: what the router needs and this machine lacks
 
     def gpu(self, device: str) -> GpuMemory | None:
         return next((g for g in self.gpus if g.device == device), None)
@@ -42,6 +45,18 @@ def find_binary(spec: Spec) -> Path | None:
         if candidate and "\0" not in candidate and os.access(candidate, os.X_OK) and Path(candidate).is_file():
             return Path(candidate)
     return None
+
+
+def router_missing(venv: Path = paths.ROUTER_VENV, user: str = paths.ROUTER_USER) -> str | None:
+    """What the router unit needs on this machine and does not find: its virtualenv, its user."""
+    missing = []
+    if not (venv / "bin" / "litellm").is_file():
+        missing.append(f"its virtualenv {venv} (LiteLLM's proxy)")
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        missing.append(f"its user {user}")
+    return " and ".join(missing) or None
 
 
 def gather(spec: Spec, nvml: Nvml | None = None, meminfo: Path = MEMINFO) -> MachineFacts:
@@ -68,4 +83,5 @@ def gather(spec: Spec, nvml: Nvml | None = None, meminfo: Path = MEMINFO) -> Mac
         host_memory = read_meminfo(meminfo)
     except MeminfoError as exc:
         host_memory_error = str(exc)
-    return MachineFacts(gpus, nvml_error, binary, dialect, note, host_memory, host_memory_error)
+    router = router_missing() if spec.fallback is not None else None
+    return MachineFacts(gpus, nvml_error, binary, dialect, note, host_memory, host_memory_error, router)

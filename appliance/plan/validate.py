@@ -50,6 +50,14 @@ def validate_loaded(
     facts = facts or gather(spec)
     box, sandbox_problems = sandbox(spec, str(facts.binary) if facts.binary else spec.server.binary)
     found += sandbox_problems
+    if spec.fallback is not None and facts.router_missing:
+        found.append(
+            error(
+                "fallback",
+                f"the router's unit would not start: this machine lacks {facts.router_missing}",
+                "run `llm-appliance router-install` (install.sh does, for a spec with [fallback])",
+            )
+        )
     if facts.dialect_note:
         found.append(
             warning("server.binary", facts.dialect_note, "run `llm-appliance engine install`, or set server.binary")
