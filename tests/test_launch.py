@@ -99,6 +99,14 @@ class Running:
     def text(self) -> str:
         return "".join(self.output)
 
+    def wait_said(self, words: str, timeout: float = LOAD_SECONDS) -> None:
+        """Until the launcher's output (read by a thread of its own, after the notify socket) holds `words`."""
+        deadline = time.monotonic() + timeout
+        while words not in self.text():
+            assert self.process.poll() is None or words in self.text(), f"the launcher exited:\n{self.text()}"
+            assert time.monotonic() < deadline, f"the launcher never said {words!r}:\n{self.text()}"
+            time.sleep(0.05)
+
 
 def pid_alive(pid: int) -> bool:
     try:
@@ -183,7 +191,8 @@ def test_ready_only_once_loaded_then_drafts_and_pings_the_watchdog(launch: Calla
 
     running.notify.wait_for("speculation engaged", timeout=20)
     running.notify.wait_for("WATCHDOG=1", timeout=10)
-    assert "speculation engaged" in running.text()
+    # The log line and the status go out together; the output reaches the test through a pipe and a thread.
+    running.wait_said("speculation engaged")
 
 
 def test_missing_spec_type_is_reported_as_not_engaged(launch: Callable[..., Running]) -> None:
@@ -196,7 +205,7 @@ def test_missing_spec_type_is_reported_as_not_engaged(launch: Callable[..., Runn
     running.api.completion("def add(a, b):", n_predict=16, temperature=0)
     status = running.notify.wait_for("SPECULATION NOT ENGAGED", timeout=20)
     assert status.startswith("STATUS=")
-    assert "SPECULATION NOT ENGAGED" in running.text()
+    running.wait_said("SPECULATION NOT ENGAGED")
 
 
 @pytest.fixture
@@ -224,7 +233,7 @@ def test_ngram_speculation_without_a_draft_is_checked_and_engages(
     answer = running.api.completion(prompt, n_predict=96, temperature=0)
     assert answer["timings"]["draft_n"] > 0
     running.notify.wait_for("speculation engaged", timeout=20)
-    assert "speculation engaged: " in running.text()
+    running.wait_said("speculation engaged: ")
     assert "NOT ENGAGED" not in running.text()
 
 
