@@ -132,6 +132,7 @@ def test_each_host_spec_names_its_peers_min_ready_and_the_drain(rendered: Path) 
             "min_ready": 2,
             "drain_seconds": 6,
             "settle_seconds": 6,
+            "turns": "peers",
         }
         # Peers read this host's /ready: each is a client of its exporter.
         assert {f"10.0.0.{11 + i}/32" for i in range(3) if i != index} <= set(spec["network"]["allow"])

@@ -134,6 +134,7 @@ def _member(fleet: LoadedFleet, host: Host) -> Table:
     table["min_ready"] = fleet.fleet.rules.min_ready
     table["drain_seconds"] = drain_seconds(fleet.fleet.balancer)
     table["settle_seconds"] = settle_seconds(fleet.fleet.balancer)
+    table["turns"] = "peers"  # the daemons settle the turns among themselves (k8s render writes "eviction")
     return table
 
 

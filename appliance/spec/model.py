@@ -302,6 +302,11 @@ class FleetMember(Strict):
     # How long a peer back from its restart must have been ready before it counts as serving: the balancer's
     # check interval x rise (and a margin), the time HAProxy takes to send it requests again.
     settle_seconds: Annotated[int, Field(ge=0, le=3600)] = 0
+    # Who settles whose turn it is to restart: "peers", the daemons among themselves (/ready's claims, the
+    # min_ready guard above); "eviction", Kubernetes (the daemon evicts its own pod through the Eviction API, and
+    # the PodDisruptionBudget answers 429 while the restart would leave too few ready). Written by `fleet render`
+    # and `k8s render`.
+    turns: Literal["peers", "eviction"] = "peers"
 
     @field_validator("peers")
     @classmethod
