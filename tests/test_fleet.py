@@ -218,8 +218,19 @@ def test_with_no_host_ready_haproxy_answers_in_the_clients_language(rendered: Pa
                 except urllib.error.URLError:  # not listening yet
                     assert proxy.poll() is None and time.monotonic() < deadline, proxy.stderr
                     time.sleep(0.1)
+            # The balancer's own /ready, which a router in front of it asks: "down" once HAProxy has seen that no
+            # host is up (its first checks, or the request above), as a host's /ready would say.
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{stats}/ready", timeout=30)
+                    assert time.monotonic() < deadline, "HAProxy's /ready said ready with no host up"
+                    time.sleep(0.1)
+                except urllib.error.HTTPError as exc:
+                    refused, refused_headers, reason = exc.code, exc.headers, exc.read().decode()
+                    break
         finally:
             proxy.terminate()
+    assert (refused, refused_headers["Retry-After"], reason) == (503, "2", "not ready: down")
     assert status == 503 and headers["Content-Type"] == "application/json", (status, dict(headers))
     assert headers["Retry-After"] == "2"  # the balancer's check interval
     assert json.loads(body) == {
@@ -392,3 +403,82 @@ def test_hosts_serving_the_model_under_different_names_are_warned_of(
     assert main(["fleet", "render", str(fleet_file), "--out", str(tmp_path / "out")]) == 0
     err = capsys.readouterr().err
     assert "warning: hosts[2].overrides.server.alias: host demo-3 serves its model as 'other-name'" in err, err
+
+
+FALLBACK = '\n[fallback]\nbase_url = "http://192.0.2.50:8000/v1"\nmodel = "upstream-model"\nport = 8100\n'
+
+
+def test_a_fleet_fallback_puts_a_router_in_front_of_haproxy(
+    fleet_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet_file.write_text(fleet_file.read_text() + FALLBACK)
+    out = tmp_path / "out"
+    assert main(["fleet", "render", str(fleet_file), "--out", str(out)]) == 0, capsys.readouterr().err
+    router = json.loads((out / "balancer/etc/llm-appliance/rendered/router/router.json").read_text())
+    # HAProxy is the router's local side: its API, and its stats frontend's /ready.
+    assert router["endpoint"] == {"host": "10.0.0.10", "port": 8100}
+    assert router["local_url"] == "http://10.0.0.10:8000/v1" and router["ready_url"] == "http://10.0.0.10:8404/ready"
+    assert router["alias"] == "smollm2-135m-instruct" and router["model"] == "upstream-model"
+    unit = (out / "balancer/etc/systemd/system/llm-appliance-router.service").read_text()
+    assert (
+        "ExecStart=/opt/llm-appliance/venv/bin/llm-appliance router --config-dir /etc/llm-appliance/rendered/router"
+        in unit
+    )
+    assert "SupplementaryGroups" not in unit and "Wants=" not in unit  # no service user, no server unit there
+    egress = (out / "balancer/etc/llm-appliance/rendered/router/egress.nft").read_text()
+    rules = [line.strip() for line in egress.splitlines() if line.strip().startswith("meta skuid")]
+    assert rules == [
+        'meta skuid "llm-appliance-router" ct state established,related accept',
+        'meta skuid "llm-appliance-router" oif "lo" tcp dport { 8000, 8404 } accept comment "llm-appliance: HAProxy and its /ready"',
+        'meta skuid "llm-appliance-router" ip daddr 192.0.2.50 tcp dport 8000 accept comment "llm-appliance: the fallback upstream"',
+        'meta skuid "llm-appliance-router" counter drop comment "llm-appliance: egress denied"',
+    ]
+    # The hosts render no router of their own: the fallback is the balancer's.
+    assert not list(out.glob("hosts/*/etc/systemd/system/llm-appliance-router.service"))
+    nft = shutil.which("nft") or "/usr/sbin/nft"
+    if Path(nft).exists():
+        checked = subprocess.run(
+            [nft, "-c", "-f", str(out / "balancer/etc/llm-appliance/rendered/router/egress.nft")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert checked.returncode == 0, checked.stderr
+
+
+@pytest.mark.parametrize(
+    ("edit", "field", "words"),
+    [
+        (lambda text: text + FALLBACK.replace("port = 8100", "port = 8404"), "fallback.port", "balancer.stats_port"),
+        (
+            lambda text: (
+                text.replace(
+                    "[fleet.overrides.server]\n",
+                    "[fleet.overrides.network]\nprivate = true\n\n[fleet.overrides.server]\n",
+                )
+                + FALLBACK
+            ),
+            "fallback",
+            "is private",
+        ),
+        (
+            lambda text: text + FALLBACK.replace("http://192.0.2.50:8000/v1", "ftp://192.0.2.50/v1"),
+            "fallback.base_url",
+            "http(s)",
+        ),
+    ],
+)
+def test_a_fleet_fallback_that_cannot_work_is_refused(
+    fleet_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    edit: Callable[[str], str],
+    field: str,
+    words: str,
+) -> None:
+    fleet_file.write_text(edit(fleet_file.read_text()))
+    out = tmp_path / "out"
+    assert main(["fleet", "render", str(fleet_file), "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert f": error: {field}: " in err and words in err, err
+    assert not out.exists()  # nothing half-written

@@ -17,7 +17,7 @@ from test_health_daemon import REQUEST_SECONDS, fast_demo, wait_ready, wait_unti
 from test_launch import LOAD_SECONDS, free_port
 
 from appliance.health.exporter import Metrics, Readiness, serve
-from appliance.plan.resolved import NOT_READY
+from appliance.plan.router import NOT_READY
 from appliance.runtime.server_api import ServerApi, Streamed
 
 

@@ -5,7 +5,7 @@ name, in a network namespace of its own (10.78.0.2, joined to this one by a veth
 - `up` with [fallback] starts the router beside the appliance: answered locally (the openai SDK, streaming
   requests of our own client too), then a draining restart sends new requests to the upstream with none failed,
   and they come back to the local server once it is ready.
-- The router as its own unit would run it (`llm-appliance router` from the applied snapshot, beside an `up` of
+- The router as its own unit would run it (`llm-appliance router` from its rendered router.json, beside an `up` of
   the same spec without [fallback]): `kill -9` of llama-server sends requests to the upstream with none failed,
   and they return once the appliance is started again (as systemd's Restart= would).
 
@@ -249,7 +249,6 @@ def test_the_router_unit_sends_upstream_while_llama_server_is_killed(
     )
     assert render.returncode == 0, render.stderr
     config_dir = rendered / paths.ROUTER_DIR.relative_to("/")
-    snapshot = rendered / "etc/llm-appliance/rendered/appliance.json"
     # The same appliance without [fallback] under `up`: the router runs on its own, as its unit does.
     plain = with_router.with_name("plain.toml")
     text = with_router.read_text()
@@ -257,7 +256,7 @@ def test_the_router_unit_sends_upstream_while_llama_server_is_killed(
     state = tmp_path / "state"
     # As root, as the other tests' `up`: pytest's directories (0700) are closed to the router's user.
     router_log = tmp_path / "router.log"
-    router_command = ["router", "--snapshot", str(snapshot), "--config-dir", str(config_dir), "--as-current-user"]
+    router_command = ["router", "--config-dir", str(config_dir), "--as-current-user"]
     with router_log.open("w") as log:
         router_process = subprocess.Popen(
             [sys.executable, "-m", "appliance.cli.main", *router_command], stdout=log, stderr=subprocess.STDOUT

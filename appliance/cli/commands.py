@@ -278,7 +278,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_router(args: argparse.Namespace) -> int:
     from appliance.health.router import run_router
 
-    return run_router(Appliance.read(args.snapshot), args.config_dir, as_current_user=args.as_current_user)
+    return run_router(args.config_dir, as_current_user=args.as_current_user)
 
 
 def cmd_router_install(args: argparse.Namespace) -> int:

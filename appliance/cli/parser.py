@@ -144,8 +144,12 @@ def _unit_commands(command: Command) -> None:
         f"make the router's user and its virtualenv {paths.ROUTER_VENV} (install does, for a spec with [fallback])",
     )
     p = command("router", cmd_router, "run the router in front of the server ([fallback]; the router unit's ExecStart)")
-    _snapshot_option(p)
-    p.add_argument("--config-dir", type=Path, default=paths.ROUTER_DIR, help="where its config.yaml and gate are")
+    p.add_argument(
+        "--config-dir",
+        type=Path,
+        default=paths.ROUTER_DIR,
+        help="where render wrote router.json, config.yaml, the gate",
+    )
     p.add_argument("--as-current-user", action="store_true", help=f"started by root: do not become {paths.ROUTER_USER}")
     _snapshot_option(
         command(

@@ -17,16 +17,23 @@ from appliance.facts.machine import MachineFacts
 from appliance.fleet.hosts import HostSpec, derive, where_written
 from appliance.fleet.load import LoadedFleet
 from appliance.fleet.model import Fleet, Host
+from appliance.plan.endpoint import Endpoint
 from appliance.plan.resolved import Appliance, resolve
+from appliance.plan.router import Router, router
 from appliance.plan.validate import validate_loaded
 from appliance.render.apply import installed_spec_path
 from appliance.render.promql import quoted
-from appliance.render.render import duration, render, template
-from appliance.spec.address import host_port
+from appliance.render.render import duration, render
+from appliance.render.router_files import RouterPlace, router_files
+from appliance.render.templates import template
+from appliance.spec.address import host_port, ip_address
 from appliance.spec.problems import Problem, Severity, SpecInvalid, error, warning
 from appliance.system import metric_names as metric
+from appliance.system import paths
 
-HAPROXY_CFG = "balancer/etc/haproxy/haproxy.cfg"
+BALANCER = "balancer"  # the balancer host's files, by path from its root
+HAPROXY_CFG = f"{BALANCER}/etc/haproxy/haproxy.cfg"
+ROUTER_EGRESS = f"{BALANCER}/etc/llm-appliance/rendered/router/egress.nft"
 PROMETHEUS = "prometheus"
 HOST_RULES = "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml"
 JOBS = {"health": "llm-appliance-health", "server": "llm-appliance-llama-server", "balancer": "llm-appliance-haproxy"}
@@ -57,6 +64,7 @@ def hosts(fleet: LoadedFleet, facts: MachineFacts | None = None) -> tuple[list[F
         found += [derived.locate(p) for p in validated.warnings]
         done.append(FleetHost(derived, resolve(validated.plan, installed_spec_path(derived.source))))
     found += [fleet.locate(p) for p in _endpoint_problems(done, fleet) + _alias_problems(done, fleet)]
+    found += [fleet.locate(p) for p in _fallback_problems(done, fleet.fleet)]
     if any(p.severity is Severity.ERROR for p in found):
         raise SpecInvalid(found)
     return done, found
@@ -100,6 +108,58 @@ def _alias_problems(done: list[FleetHost], fleet: LoadedFleet) -> list[Problem]:
     ]
 
 
+def _fallback_problems(done: list[FleetHost], f: Fleet) -> list[Problem]:
+    """The router on the balancer needs a port of its own there, one key file for every host (it sends the
+    hosts' key through HAProxy), and no host that must keep its code on the machine."""
+    if f.fallback is None:
+        return []
+    found: list[Problem] = []
+    taken = {f.balancer.port: "balancer.port", f.balancer.stats_port: "balancer.stats_port"}
+    if f.fallback.port in taken:
+        found.append(
+            error(
+                "fallback.port",
+                f"{f.fallback.port} is {taken[f.fallback.port]}: the router listens beside HAProxy on the balancer",
+                "give the router a port of its own, e.g. port = 8100 (clients connect there)",
+            )
+        )
+    private = [h.name for h in done if h.appliance.spec.network.private]
+    if private:
+        found.append(
+            error(
+                "fallback",
+                f"host {', '.join(private)} is private (network.private = true): no request of its clients may "
+                "go to an upstream",
+                "remove [fallback] from the fleet file, or make no host private",
+            )
+        )
+    if len({h.appliance.api_key_file for h in done}) > 1:
+        found.append(
+            error(
+                "fallback",
+                "the hosts ask keys from different server.api_key_file paths: the router sends one key to all",
+                "set server.api_key_file once for every host (fleet.overrides.server)",
+            )
+        )
+    return found
+
+
+def fleet_router(f: Fleet, members: list[FleetHost]) -> Router | None:
+    """The router on the balancer: HAProxy is its local side (its API, and the /ready of its stats frontend)."""
+    if f.fallback is None:
+        return None
+    b = f.balancer
+    first = members[0].appliance
+    return router(
+        f.fallback,
+        Endpoint(b.address, f.fallback.port),
+        first.alias,
+        Endpoint(b.address, b.port),
+        first.api_key_file,
+        Endpoint(b.address, b.stats_port),
+    )
+
+
 def render_fleet(fleet: LoadedFleet, members: list[FleetHost]) -> dict[str, str]:
     """Every file of the fleet, by path relative to the output directory."""
     f = fleet.fleet
@@ -115,6 +175,13 @@ def render_fleet(fleet: LoadedFleet, members: list[FleetHost]) -> dict[str, str]
         # Prometheus loads each host's rules from one directory; the host's tree keeps its own copy too.
         files[f"{PROMETHEUS}/rules/{member.name}.rules.yml"] = files[f"{tree}/{HOST_RULES}"]
     files[HAPROXY_CFG] = template("fleet/haproxy.cfg.j2").render(v=_haproxy(f, members, header))
+    upstream_router = fleet_router(f, members)
+    if upstream_router is not None:
+        # Alone on the balancer: no server unit to follow, its own group for the key file, and its egress held
+        # by a ruleset of its own (the unit cannot filter addresses one way only, and its clients are unknown).
+        place = RouterPlace(header, beside_unit=None, key_group=None, ip_allow=())
+        files.update({f"{BALANCER}/{path}": text for path, text in router_files(upstream_router, place).items()})
+        files[ROUTER_EGRESS] = template("fleet/router-egress.nft.j2").render(v=_egress(f, upstream_router, header))
     files.update(_prometheus(fleet, members, header))
     return dict(sorted(files.items()))
 
@@ -161,10 +228,13 @@ class HaproxyView:
     stats_bind: str
     retries: int
     check_interval: str
+    check_interval_seconds: int
     fall: int
     rise: int
     hosts: tuple[BackendServer, ...]
     errors: tuple[ClientError, ...]
+    # The balancer's own /ready (on the stats port): "saturated" past this many requests queued for a slot.
+    max_queued: int
 
 
 def _haproxy(f: Fleet, members: list[FleetHost], header: str) -> HaproxyView:
@@ -184,10 +254,34 @@ def _haproxy(f: Fleet, members: list[FleetHost], header: str) -> HaproxyView:
         stats_bind=host_port(b.address, b.stats_port),
         retries=b.retries,
         check_interval=f"{b.check_interval_seconds}s",
+        check_interval_seconds=b.check_interval_seconds,
         fall=b.fall,
         rise=b.rise,
         hosts=servers,
         errors=client_errors(b.check_interval_seconds),
+        max_queued=max(m.appliance.spec.health.ready_max_queued for m in members),
+    )
+
+
+@dataclass(frozen=True)
+class EgressView:
+    header: str
+    table: str
+    user: str
+    local_ports: str  # HAProxy's API and stats ports, on this machine
+    upstream: Endpoint
+    upstream_is_address: bool  # a name cannot be pinned: its addresses are the resolver's to say
+
+
+def _egress(f: Fleet, upstream_router: Router, header: str) -> EgressView:
+    upstream = upstream_router.upstream
+    return EgressView(
+        header=header,
+        table=f"{paths.NFT_TABLE}_router",
+        user=paths.ROUTER_USER,
+        local_ports=f"{f.balancer.port}, {f.balancer.stats_port}",
+        upstream=upstream,
+        upstream_is_address=ip_address(upstream.host) is not None,
     )
 
 

@@ -15,6 +15,7 @@ from pydantic import AfterValidator, Field, field_validator
 
 from appliance.spec.address import ip_address
 from appliance.spec.base import FilePath, Line, Strict
+from appliance.spec.fallback import Fallback
 
 HOST_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 CLOCK = re.compile(r"^([01][0-9]|2[0-3]):([0-5][0-9])$")
@@ -108,4 +109,7 @@ class Fleet(Strict):
     balancer: Balancer
     rules: Rules = Rules()
     prometheus: FleetPrometheus = FleetPrometheus()
+    # A router on the balancer's host, in front of HAProxy, with this upstream as the fallback: clients connect
+    # to balancer.address at fallback.port; HAProxy's /ready (stats_port) says when no host can take a request.
+    fallback: Fallback | None = None
     hosts: Annotated[list[Host], Field(min_length=1)]

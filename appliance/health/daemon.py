@@ -41,7 +41,8 @@ from appliance.health.state import RestartLog
 from appliance.health.turn import RestartTurn, ready_reason
 from appliance.health.units import ServerControl, UnitError
 from appliance.health.watch import Observation, Watch
-from appliance.plan.resolved import NOT_READY, Appliance
+from appliance.plan.resolved import Appliance
+from appliance.plan.router import NOT_READY
 from appliance.runtime.notify import Notifier
 from appliance.runtime.server_api import ServerApi, read_api_key
 from appliance.spec.model import Spec

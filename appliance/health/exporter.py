@@ -20,7 +20,7 @@ from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import RestrictedRegistry
 
-from appliance.plan.resolved import NOT_READY
+from appliance.plan.router import NOT_READY
 from appliance.spec.address import is_ipv6
 from appliance.system import metric_names as metric
 

@@ -14,8 +14,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from appliance.plan.resolved import Appliance, Router
-from appliance.render.render import ROUTER_FILES, render
+from appliance.plan.resolved import Appliance
+from appliance.plan.router import ROUTER_FILE, Router, RouterFileError
+from appliance.render.render import render
+from appliance.render.router_files import CONFIG_DIR
 from appliance.runtime.server_api import read_api_key
 from appliance.runtime.server_process import die_with_parent
 from appliance.system import paths
@@ -48,13 +50,13 @@ def router_argv(router: Router, config_dir: Path, litellm: Path = LITELLM) -> li
     ]
 
 
-def router_environment(appliance: Appliance, base: dict[str, str] | None = None) -> dict[str, str]:
+def router_environment(router: Router, base: dict[str, str] | None = None) -> dict[str, str]:
     """The router's environment: the keys (read here, as the user this process is), the gate's /ready, and
     LiteLLM told to stay offline (its price map is bundled; it sends no telemetry)."""
-    router = appliance.router
-    if router is None:
-        raise RouterError(f"{appliance.spec_file} has no [fallback]: there is no router to run")
-    local_key = read_api_key(appliance.api_key_file) or NO_KEY
+    try:
+        local_key = read_api_key(router.local_key_file) or NO_KEY
+    except OSError as exc:
+        raise RouterError(f"cannot read server.api_key_file {router.local_key_file}: {exc.strerror}") from None
     try:
         upstream_key = read_api_key(router.upstream_key_file) or NO_KEY
     except OSError as exc:
@@ -69,28 +71,32 @@ def router_environment(appliance: Appliance, base: dict[str, str] | None = None)
         LITELLM_TELEMETRY="False",
         NO_DOCS="True",
     )
-    if appliance.api_key_file is not None:
+    if router.local_key_file is not None:
         environment["LLM_APPLIANCE_ROUTER_KEY"] = local_key
     return environment
 
 
-def run_router(appliance: Appliance, config_dir: Path, as_current_user: bool = False) -> int:
-    """Exec LiteLLM's proxy; it never returns but for an error."""
-    if appliance.router is None:
-        raise RouterError(f"{appliance.spec_file} has no [fallback]: there is no router to run")
+def run_router(config_dir: Path, as_current_user: bool = False) -> int:
+    """Exec LiteLLM's proxy on the files render wrote into `config_dir`; it never returns but for an error."""
+    try:
+        router = Router.read(config_dir / ROUTER_FILE)
+    except RouterFileError as exc:
+        raise RouterError(str(exc)) from None
     if not LITELLM.is_file():
-        raise RouterError(f"{LITELLM} is missing: `llm-appliance install` makes the router's virtualenv")
-    environment = router_environment(appliance)
+        raise RouterError(f"{LITELLM} is missing: `llm-appliance router-install` makes the router's virtualenv")
+    environment = router_environment(router)
     if os.geteuid() == 0 and not as_current_user:
         who = account(paths.ROUTER_USER)
         if who is None:
-            raise RouterError(f"the router's user {paths.ROUTER_USER} does not exist: `llm-appliance install` makes it")
+            raise RouterError(
+                f"the router's user {paths.ROUTER_USER} does not exist: `llm-appliance router-install` makes it"
+            )
         drop_to(who)
         environment.update(HOME="/tmp", USER=who.name, LOGNAME=who.name)
     # Started by `up`: gone with it, even once `up` (the service user by then) may no longer signal it. Set after
     # the drop, which clears it; execve keeps it.
     die_with_parent()
-    argv = router_argv(appliance.router, config_dir)
+    argv = router_argv(router, config_dir)
     log.info("+ %s", " ".join(argv))
     os.execve(argv[0], argv, environment)
     return 1  # pragma: no cover - execve does not return
@@ -103,20 +109,8 @@ def start_beside_up(appliance: Appliance, as_current_user: bool) -> Popen[str] |
         return None
     directory = Path(tempfile.mkdtemp(prefix="llm-appliance-router-"))
     directory.chmod(0o755)
-    rendered = render(appliance)
-    for relative in ROUTER_FILES:
-        if relative.startswith(str(paths.ROUTER_DIR.relative_to("/"))):
-            write_atomically(directory / Path(relative).name, rendered[relative], mode=0o644)
-    snapshot = directory / "appliance.json"
-    write_atomically(snapshot, appliance.to_json("written by `llm-appliance up` for its router"), mode=0o644)
-    argv = [
-        sys.executable,
-        "-m",
-        "appliance.cli",
-        "router",
-        "--snapshot",
-        str(snapshot),
-        "--config-dir",
-        str(directory),
-    ]
+    for relative, text in render(appliance).items():
+        if relative.startswith(CONFIG_DIR):
+            write_atomically(directory / Path(relative).name, text, mode=0o644)
+    argv = [sys.executable, "-m", "appliance.cli", "router", "--config-dir", str(directory)]
     return spawn(argv + (["--as-current-user"] if as_current_user else []))

@@ -27,7 +27,8 @@ from appliance.render.apply import (
     write,
 )
 from appliance.render.check import require_accepted
-from appliance.render.render import FILES, RETIRED, ROUTER_FILES, render
+from appliance.render.render import FILES, RETIRED, render
+from appliance.render.router_files import ROUTER_FILES
 from appliance.spec.load import load_spec
 from appliance.system import paths
 from appliance.system.files import write_atomically

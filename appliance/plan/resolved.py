@@ -21,17 +21,18 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from appliance.plan.budget import MIB
 from appliance.plan.devices import draft_devices, gpu_devices
+from appliance.plan.endpoint import Endpoint
 from appliance.plan.plan import Plan
-from appliance.spec.address import host_port, ip_address, is_ipv6, is_loopback, is_wildcard, network_of
+from appliance.plan.router import Router, router_of
+from appliance.spec.address import ip_address, is_ipv6, network_of
 from appliance.spec.model import Spec
 from appliance.system import paths
 
 # The snapshot's format: its fields are the Appliance's, every one required. A snapshot of another version
 # (or lacking a field) is refused, and apply writes a new one: it never reads as something it does not say.
-SNAPSHOT_VERSION = 3
+SNAPSHOT_VERSION = 4
 SNAPSHOT = paths.RENDERED / "appliance.json"
 REAPPLY = "re-run `llm-appliance apply SPEC`"
-PRIVILEGED_PORTS = 1024  # below it binding needs CAP_NET_BIND_SERVICE (net.ipv4.ip_unprivileged_port_start)
 # Device nodes a CUDA process opens besides /dev/nvidiaN of its GPUs (nvidia-uvm-tools is for profilers);
 # NVML opens only the control node and the GPUs', read-write like CUDA.
 NVIDIA_CONTROL = "/dev/nvidiactl"
@@ -40,82 +41,6 @@ GPU_COMMON_NODES = (NVIDIA_CONTROL, "/dev/nvidia-uvm")
 
 class SnapshotError(Exception):
     """The applied snapshot is missing, unreadable or from another version; the message says what to run."""
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
-
-    host: str
-    port: int
-
-    @property
-    def address(self) -> str:
-        """host:port as a client dials it: a wildcard listener is reached on loopback."""
-        return host_port("127.0.0.1" if is_wildcard(self.host) else self.host, self.port)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}"
-
-    @property
-    def ipv6(self) -> bool:
-        return is_ipv6(self.host)
-
-    @property
-    def loopback_only(self) -> bool:
-        return is_loopback(self.host)
-
-    @property
-    def privileged(self) -> bool:
-        """Its unit must grant CAP_NET_BIND_SERVICE, the one capability the service user ever gets."""
-        return self.port < PRIVILEGED_PORTS
-
-    @property
-    def own_address(self) -> tuple[str, ...]:
-        """The one non-loopback address of this machine it listens on, as a network (none for loopback or a
-        wildcard): its probes and local clients dial it there, and come from it, past the units' IP filters."""
-        if ip_address(self.host) is None or is_loopback(self.host) or is_wildcard(self.host):
-            return ()  # localhost (prometheus.host is not checked to be an address)
-        return (network_of(self.host),)
-
-
-# Why /ready answers 503 (the health exporter's), each a state in which the local server cannot or should not
-# take a request now: "loading" until the daemon's first check saw the server, "warming" before its warm-up
-# completion, "degraded" serving slower than it should until the restart it waits for (decay latched, on the CPU
-# where the spec says GPU), "saturated" every slot busy and requests queued.
-NOT_SERVING = ("loading", "warming", "down", "draining", "restarting", "degraded")
-NOT_READY = (*NOT_SERVING, "saturated")
-# The reasons that send a request to the upstream, by `fallback.when`.
-FALLBACK_REASONS = {"down": NOT_SERVING, "busy": ("saturated",), "both": NOT_READY}
-
-
-@dataclass(frozen=True)
-class Router:
-    """The router in front of the local server ([fallback]): where clients connect, the two backends, and when
-    the second one answers."""
-
-    __pydantic_config__: ClassVar[ConfigDict] = ConfigDict(extra="forbid")
-
-    endpoint: Endpoint  # server.host, fallback.port
-    local_url: str  # llama-server's OpenAI API
-    ready_url: str  # the health daemon's /ready, which the router's gate asks before each request
-    fallback_reasons: tuple[str, ...]  # /ready's reasons that send a request to the upstream
-    upstream: Endpoint  # the upstream's host and port, the one place the router's unit may dial out to
-    upstream_url: str
-    upstream_tls: bool
-    model: str  # the upstream's model name; clients send the local alias to both
-    upstream_key_file: Path | None
-    timeout_seconds: int
-    cooldown_seconds: int
-
-    def ip_allow(self, appliance: Appliance) -> tuple[str, ...]:
-        """The router unit's IPAddressAllow= besides localhost: its clients (network.allow), its own address
-        beyond loopback, and the upstream, the one address it dials out to."""
-        own = self.endpoint.own_address + appliance.server.own_address + appliance.exporter.own_address
-        # A name is only possible with egress = "allow", where the unit filters no address (spec checks).
-        upstream = (network_of(self.upstream.host),) if ip_address(self.upstream.host) else ()
-        return _unique((*appliance.allow_v4, *appliance.allow_v6, *own, *upstream))
 
 
 @dataclass(frozen=True)
@@ -158,6 +83,18 @@ class Appliance:
     health_binds: tuple[str, ...]
     restart_binds: tuple[str, ...]
     router: Router | None  # [fallback]: a router in front of the server, with the upstream as its second backend
+
+    @property
+    def router_ip_allow(self) -> tuple[str, ...]:
+        """The router unit's IPAddressAllow= besides localhost: its clients (network.allow), its own address
+        beyond loopback, and the upstream, the one address it dials out to."""
+        if self.router is None:
+            return ()
+        own = self.router.endpoint.own_address + self.server.own_address + self.exporter.own_address
+        # A name is only possible with egress = "allow", where the unit filters no address (spec checks).
+        upstream = self.router.upstream.host
+        dialled = (network_of(upstream),) if ip_address(upstream) else ()
+        return _unique((*self.allow_v4, *self.allow_v6, *own, *dialled))
 
     @property
     def health_url(self) -> str:
@@ -285,32 +222,7 @@ def resolve(plan: Plan, spec_file: Path, state_dir: Path = paths.STATE) -> Appli
         server_binds=plan.sandbox.server_binds,
         health_binds=plan.sandbox.health_binds,
         restart_binds=plan.sandbox.restart_binds,
-        router=_router(spec),
-    )
-
-
-def _router(spec: Spec) -> Router | None:
-    fallback = spec.fallback
-    if fallback is None:
-        return None
-    server, exporter = (
-        Endpoint(spec.server.host, spec.server.port),
-        Endpoint(spec.prometheus.host, spec.prometheus.port),
-    )
-    upstream = urllib.parse.urlsplit(fallback.base_url)
-    tls = upstream.scheme == "https"
-    return Router(
-        endpoint=Endpoint(spec.server.host, fallback.port),
-        local_url=f"{server.url}/v1",
-        ready_url=f"{exporter.url}/ready",
-        fallback_reasons=FALLBACK_REASONS[fallback.when],
-        upstream=Endpoint(upstream.hostname or "", upstream.port or (443 if tls else 80)),
-        upstream_url=fallback.base_url,
-        upstream_tls=tls,
-        model=fallback.model,
-        upstream_key_file=fallback.api_key_file,
-        timeout_seconds=fallback.timeout_seconds,
-        cooldown_seconds=fallback.cooldown_seconds,
+        router=router_of(spec, plan.alias),
     )
 
 

@@ -7,16 +7,14 @@ no arithmetic, no string surgery, no lists built in a template.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
-from importlib import resources
-from pathlib import Path
-
-import jinja2
 
 from appliance import __version__
-from appliance.plan.resolved import SNAPSHOT, Appliance, Endpoint
+from appliance.plan.endpoint import Endpoint
+from appliance.plan.resolved import SNAPSHOT, Appliance
 from appliance.render.dashboard import dashboard_json
 from appliance.render.promql import label_matchers, quoted, series
+from appliance.render.router_files import RouterPlace, RouterView, router_files, router_view
+from appliance.render.templates import template
 from appliance.system import metric_names as metric
 from appliance.system import paths
 
@@ -77,53 +75,8 @@ class View:
     speculation: bool  # llama-server speculates (a draft, or n-gram types): the speculation alerts apply
     max_per_hour: int
     alert_for: dict[str, str]  # alert (AlertForSeconds field) -> its `for:` as a Prometheus duration
-    router: RouterView | None  # [fallback]
+    router: RouterView | None  # [fallback]: the firewall's egress rule for the router's user
     api_ports: str  # what clients reach, an nftables set's elements: the server, the exporter, the router
-
-
-@dataclass(frozen=True)
-class RouterView:
-    """The router's files: LiteLLM's config (YAML values quoted), its gate, its unit, its egress rule."""
-
-    user: str
-    unit: str
-    endpoint: Endpoint
-    upstream: Endpoint
-    upstream_url: str  # as written, for the unit's description
-    alias: str  # YAML-quoted from here on
-    local_model: str
-    local_url: str
-    upstream_model: str
-    upstream_url_yaml: str
-    timeout_seconds: int
-    cooldown_seconds: int
-    reasons_text: str
-    client_key: bool  # clients send a key: the router asks the first of server.api_key_file
-    ip_allow: tuple[str, ...]  # the router unit's IPAddressAllow= besides localhost
-
-
-def router_view(appliance: Appliance) -> RouterView | None:
-    router = appliance.router
-    if router is None:
-        return None
-    return RouterView(
-        user=paths.ROUTER_USER,
-        unit=paths.ROUTER_UNIT,
-        endpoint=router.endpoint,
-        upstream=router.upstream,
-        upstream_url=router.upstream_url,
-        alias=quoted(appliance.alias),
-        # LiteLLM's "openai/" provider: any OpenAI-compatible API at api_base, the model named as the rest.
-        local_model=quoted(f"openai/{appliance.alias}"),
-        local_url=quoted(router.local_url),
-        upstream_model=quoted(f"openai/{router.model}"),
-        upstream_url_yaml=quoted(router.upstream_url),
-        timeout_seconds=router.timeout_seconds,
-        cooldown_seconds=router.cooldown_seconds,
-        reasons_text=", ".join(router.fallback_reasons),
-        client_key=appliance.api_key_file is not None,
-        ip_allow=router.ip_allow(appliance),
-    )
 
 
 def view(appliance: Appliance) -> View:
@@ -185,7 +138,7 @@ def view(appliance: Appliance) -> View:
         speculation=appliance.speculation,
         max_per_hour=spec.restart.max_per_hour,
         alert_for={name: duration(s) for name, s in spec.prometheus.alert_for_seconds.model_dump().items()},
-        router=router_view(appliance),
+        router=router_view(appliance.router),
         api_ports=", ".join(
             str(endpoint.port)
             for endpoint in (
@@ -250,41 +203,18 @@ FILES = {
     "etc/llm-appliance/rendered/grafana/llm-appliance.json": "grafana.json.j2",
     "etc/polkit-1/rules.d/50-llm-appliance.rules": "polkit.rules.j2",
 }
-# The router's, with [fallback] only.
-ROUTER_FILES = {
-    f"etc/systemd/system/{paths.ROUTER_UNIT}": "router.service.j2",
-    str((paths.ROUTER_DIR / "config.yaml").relative_to("/")): "router.yaml.j2",
-    str((paths.ROUTER_DIR / "ready_gate.py").relative_to("/")): "ready_gate.py.j2",
-}
 # Files earlier versions rendered and this one does not: uninstall removes them too.
 RETIRED = ("etc/llm-appliance/rendered/launch.json", "etc/llm-appliance/rendered/health.json")
-
-
-@cache
-def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-
-
-def templates_dir() -> Path:
-    """Installed: appliance/templates inside the wheel. From a checkout: the top-level templates/."""
-    packaged = Path(str(resources.files("appliance").joinpath("templates")))
-    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "templates"
-
-
-def template(name: str) -> jinja2.Template:
-    """A template of templates/, set up as every rendered file's (StrictUndefined, trimmed blocks)."""
-    return _environment().get_template(name)
 
 
 def render(appliance: Appliance) -> dict[str, str]:
     """Every file of the appliance, by path relative to the root; the same appliance gives the same bytes."""
     context = view(appliance)
-    files = FILES | (ROUTER_FILES if appliance.router else {})
-    return {path: _environment().get_template(template).render(v=context) for path, template in sorted(files.items())}
+    files = {path: template(name).render(v=context) for path, name in FILES.items()}
+    if appliance.router is not None:
+        # Beside the server, in the service user's group (to read server.api_key_file, root:llm-appliance 0640).
+        # systemd's address filter holds both directions: with egress = "allow" the unit has none.
+        ip_allow = appliance.router_ip_allow if appliance.egress_deny else ()
+        beside = RouterPlace(context.header, paths.SERVER_UNIT, paths.SERVICE_USER, ip_allow)
+        files |= router_files(appliance.router, beside)
+    return dict(sorted(files.items()))

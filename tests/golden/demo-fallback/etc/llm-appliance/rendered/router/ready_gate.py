@@ -4,7 +4,7 @@ ask the health daemon's /ready (at most every half second). While it says a reas
 names, the local server is left out, and the request goes to the upstream before its first byte: a drain, a
 restart, a full queue or a decaying server is told to the router before a client waits on it.
 
-`llm-appliance router` sets LLM_APPLIANCE_READY_URL and LLM_APPLIANCE_FALLBACK_REASONS from the snapshot."""
+`llm-appliance router` sets LLM_APPLIANCE_READY_URL and LLM_APPLIANCE_FALLBACK_REASONS from router.json."""
 
 import asyncio
 import os
