@@ -4,7 +4,8 @@
     balancer (HAProxy) 10.79.0.10 ─┤
     demo-1 10.79.0.11 ─────────────┼── br0, in a namespace of its own
     demo-2 10.79.0.12 ─────────────┤
-    demo-3 10.79.0.13 ─────────────┘
+    demo-3 10.79.0.13 ─────────────┤
+    upstream 10.79.0.20 ───────────┘  (the fleet's [fallback]: llama-server under another model name)
 
 The fleet file is written here (the demo spec shared, made quick by overrides), `llm-appliance fleet render`
 renders it, each host runs `llm-appliance up` on its derived spec inside its namespace (its own state
@@ -41,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from appliance.ops.models import SMOLLM2
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "etc" / "llm-appliance"
 INSTALLED_MODELS = "/var/lib/llm-appliance/models"  # as the examples name the models (conftest rewrites it too)
@@ -50,6 +53,10 @@ NET = "10.79.0"
 CLIENT = f"{NET}.9"  # the load client and Prometheus
 BALANCER = f"{NET}.10"
 HOSTS = {"demo-1": f"{NET}.11", "demo-2": f"{NET}.12", "demo-3": f"{NET}.13"}
+UPSTREAM = f"{NET}.20"  # the fleet's fallback, started only by the test of it (start_fallback)
+UPSTREAM_PORT, UPSTREAM_MODEL = 8000, "upstream-model"
+ROUTER_PORT = 8100  # the router on the balancer, in front of HAProxy
+ROUTER_START_SECONDS = 300.0  # LiteLLM imports for a while on a busy 2-core box
 API_PORT, STATS_PORT = 8000, 8404  # the balancer's (fleet file defaults)
 SERVER_PORT, EXPORTER_PORT = 8080, 9478  # each host's (demo.toml)
 PROMETHEUS_PORT = 9090  # on the client namespace's loopback
@@ -145,6 +152,12 @@ below_min_ready_alert_seconds = 0
 [prometheus]
 address = "{CLIENT}"
 files_dir = "{targets_dir}"
+
+[fallback]
+base_url = "http://{UPSTREAM}:{UPSTREAM_PORT}/v1"
+model = "{UPSTREAM_MODEL}"
+port = {ROUTER_PORT}
+cooldown_seconds = 2
 {hosts}"""
 
 
@@ -369,6 +382,7 @@ class Fleet:
         self.bridge = f"{self.prefix}-br"
         self.client = Netns(f"{self.prefix}-client")
         self.balancer = Netns(f"{self.prefix}-lb")
+        self.upstream = Netns(f"{self.prefix}-up")
         self.hosts = {
             name: Host(
                 name,
@@ -459,6 +473,7 @@ class Fleet:
         namespaces (nothing in this machine's own namespace)."""
         members = [(self.client.name, "v-client", CLIENT), (self.balancer.name, "v-lb", BALANCER)]
         members += [(h.netns.name, f"v-{h.name}", h.address) for h in self.hosts.values()]
+        members += [(self.upstream.name, "v-up", UPSTREAM)]
         for ns in [self.bridge, *(m[0] for m in members)]:
             self._ip("netns", "add", ns)
             self.created.append(ns)
@@ -493,6 +508,46 @@ class Fleet:
         )
         self.processes.append(self.haproxy)
         self.say(f"haproxy started in {self.balancer.name} (pid {self.haproxy.pid})")
+
+    def start_fallback(self, engine: Path) -> None:
+        """The fleet's [fallback] for real: the upstream (the demo model as UPSTREAM_MODEL) in its namespace, and
+        the router on the balancer, from the files `fleet render` wrote for it, as its unit runs it."""
+        model = self.models / SMOLLM2
+        argv = [
+            "env",
+            f"LD_LIBRARY_PATH={engine.parent}",
+            engine,
+            "-m",
+            model,
+            "--host",
+            UPSTREAM,
+            "--port",
+            str(UPSTREAM_PORT),
+            "--alias",
+            UPSTREAM_MODEL,
+        ]
+        upstream = Started.start(
+            "upstream",
+            self.upstream.argv(*argv, "-c", "2048", "-t", "1", "--log-verbosity", "2"),
+            self.logs / "upstream.log",
+        )
+        self.processes.append(upstream)
+        config_dir = self.out / "balancer" / "etc" / "llm-appliance" / "rendered" / "router"
+        command = ("-m", "appliance.cli.main", "router", "--config-dir", config_dir, "--as-current-user")
+        router = Started.start("router", self.balancer.argv(sys.executable, *command), self.logs / "router.log")
+        self.processes.append(router)
+        for started, url, seconds in (
+            (upstream, f"http://{UPSTREAM}:{UPSTREAM_PORT}/health", START_SECONDS),
+            (router, f"http://{BALANCER}:{ROUTER_PORT}/health/liveliness", ROUTER_START_SECONDS),
+        ):
+
+            def answers(started: Started = started, url: str = url) -> bool:
+                if not started.alive():
+                    raise FleetError(f"{started.name} exited:\n{started.tail()}")
+                return self.client.call(http_get, url, 2.0, timeout=10)[0] == 200
+
+            wait_until(answers, seconds, lambda url=url: f"{url} to answer 200\n{self.timeline()}")  # type: ignore[misc]
+            self.say(f"{started.name}: {url} answers")
 
     # -- hosts --
 
@@ -641,7 +696,7 @@ class Fleet:
                         os.kill(int(pid), signal.SIGKILL)
                 subprocess.run([ip, "netns", "delete", ns], capture_output=True, text=True, timeout=30)
         self.created.clear()
-        for netns in [self.client, self.balancer, *(h.netns for h in self.hosts.values())]:
+        for netns in [self.client, self.balancer, self.upstream, *(h.netns for h in self.hosts.values())]:
             netns.close()
 
 

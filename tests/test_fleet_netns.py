@@ -12,12 +12,39 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fleet_netns import DECAY_HOST, HOSTS, MIN_READY, Fleet, Prometheus, missing_tools, wait_until
-from fleet_traffic import KILL_HOST, LoadShape, Outcome, induced_decay, kill_server, rolling_restart, run_scenario
+from fleet_netns import (
+    API_KEY,
+    BALANCER,
+    DECAY_HOST,
+    HOSTS,
+    MIN_READY,
+    ROUTER_PORT,
+    ROUTER_START_SECONDS,
+    Fleet,
+    Prometheus,
+    missing_tools,
+    wait_until,
+)
+from fleet_traffic import (
+    KILL_HOST,
+    REQUEST_SECONDS,
+    Load,
+    LoadShape,
+    Outcome,
+    induced_decay,
+    kill_server,
+    rolling_restart,
+    run_scenario,
+)
+
+from appliance.runtime.server_api import ServerApi, Streamed
 
 pytestmark = [pytest.mark.fleet, pytest.mark.system, pytest.mark.engine]
 
@@ -160,3 +187,76 @@ def test_prometheus_sees_the_fleet_and_alerts_below_min_ready(fleet: Fleet) -> N
         fleet.say(f"prometheus: {BELOW_MIN_READY} resolved")
     finally:
         prometheus.stop()
+
+
+ANSWERED_BY = "x-litellm-model-id"  # the router's header: "local" (HAProxy) or "fallback" (the upstream)
+
+
+class RouterClient:
+    """One client in the client's namespace sending streamed chat completions to the fleet's router, back to back
+    (bounded in count and time), as an IDE pointed at the router would."""
+
+    def __init__(self, fleet: Fleet, max_requests: int = 400, max_seconds: float = 900.0) -> None:
+        self.fleet, self.max_requests, self.max_seconds = fleet, max_requests, max_seconds
+        self.answers: list[Streamed] = []
+        self.stopping = threading.Event()
+        self.thread = fleet.client.thread(self._run, "router-client")
+
+    def __enter__(self) -> RouterClient:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.thread.join(REQUEST_SECONDS + 10)
+
+    def _run(self) -> None:
+        router = ServerApi(f"http://{BALANCER}:{ROUTER_PORT}", API_KEY)
+        body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8}
+        started = time.monotonic()
+        while not self.stopping.is_set() and len(self.answers) < self.max_requests:
+            if time.monotonic() - started > self.max_seconds:
+                return
+            self.answers.append(router.stream("/v1/chat/completions", body, REQUEST_SECONDS, ANSWERED_BY))
+
+    def count(self, since: int = 0) -> Counter[str]:
+        return Counter(a.served_by if a.complete else f"failed: {a.status} {a.error}" for a in self.answers[since:])
+
+    def wait_for(self, who: str, since: int) -> None:
+        def seen() -> bool:
+            if not self.thread.is_alive():
+                raise AssertionError(f"the router client ended: {self.count()}")
+            return self.count(since)[who] > 0
+
+        wait_until(
+            seen, ROUTER_START_SECONDS, lambda: f"an answer by {who}: {self.count(since)}\n{self.fleet.timeline()}"
+        )
+        self.fleet.say(f"router: answered by {who} ({dict(self.count(since))} since request {since})")
+
+
+def test_the_fleet_router_falls_back_while_the_fleet_is_saturated_or_down(fleet: Fleet, engine_binary: Path) -> None:
+    """The fleet's [fallback]: the router on the balancer sends to HAProxy while its /ready says ready, to the
+    upstream while every host's slot is taken and requests queue (saturated) or no host is up (down), and back."""
+    fleet.start_fallback(engine_binary)
+    with RouterClient(fleet) as client:
+        client.wait_for("local", 0)
+        # Busy: six clients straight to HAProxy keep its three slots taken and its queue non-empty.
+        with Load(fleet, workers=6, max_requests=600, max_seconds=240, max_tokens=64):
+            busy = len(client.answers)
+            client.wait_for("fallback", busy)
+        client.wait_for("local", len(client.answers))
+        # Down: every host stopped. A request in flight on a host when it stops may be cut; none after.
+        for name in HOSTS:
+            fleet.stop_host(name)
+        down = len(client.answers)
+        client.wait_for("fallback", down)
+        fleet.ensure_whole()
+        back = len(client.answers)
+        client.wait_for("local", back)
+    counts = client.count()
+    sent = len(client.answers)
+    print(f"\nfleet router: sent {sent}, {dict(counts)} (busy from {busy}, down from {down}, back from {back})")
+    # After the stops every request was answered, by one side or the other; before them, at most the one in
+    # flight on each host as it stopped was lost.
+    assert set(client.count(down + 1)) <= {"local", "fallback"}, client.count(down + 1)
+    assert sum(n for who, n in counts.items() if who not in ("local", "fallback")) <= len(HOSTS), counts
