@@ -19,7 +19,8 @@ FLOORS = {
     "ops": 6,
     "measure": 6,
     "fleet": 6,
-    "cli": 7,
+    "k8s": 7,
+    "cli": 8,
 }
 
 

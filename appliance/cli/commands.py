@@ -170,6 +170,37 @@ def cmd_fleet_render(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_k8s_render(args: argparse.Namespace) -> int:
+    """The fleet as kustomize trees (DIR/plain, DIR/llmkube; or the one flavour asked for, into DIR), written by
+    the one writer once every tree rendered."""
+    from appliance.fleet.load import load_fleet
+    from appliance.k8s.llmkube import losses_text
+    from appliance.k8s.members import appliance_sets, kubernetes_of
+    from appliance.k8s.tree import FLAVORS, render_tree
+
+    fleet = load_fleet(args.fleet)
+    kubernetes_of(fleet)
+    members, warnings = appliance_sets(fleet)
+    if warnings:
+        print(format_problems(warnings), file=sys.stderr)
+    flavors = [args.flavor] if args.flavor else list(FLAVORS)
+    files = {
+        (path if args.flavor else f"{flavor}/{path}"): text
+        for flavor in flavors
+        for path, text in render_tree(fleet, members, flavor).items()
+    }
+    found = changes(files, args.out)
+    write(found, args.out)
+    pods = sum(member.replicas for member in members)
+    print(
+        f"rendered {len(files)} files ({', '.join(flavors)}) for {len(members)} StatefulSets, {pods} pods, into "
+        f"{args.out} ({len(found)} changed)"
+    )
+    if "llmkube" in flavors:
+        print(losses_text(), end="", file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     print(json.dumps(spec_schema(), indent=2, sort_keys=True))
     return EXIT_OK

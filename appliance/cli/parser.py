@@ -19,6 +19,7 @@ from appliance.cli.commands import (
     cmd_health,
     cmd_hold_driver,
     cmd_install,
+    cmd_k8s_render,
     cmd_launch,
     cmd_models_fetch,
     cmd_render,
@@ -72,6 +73,20 @@ def _fleet_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(handler=cmd_fleet_render)
     p.add_argument("fleet", type=Path)
     p.add_argument("--out", type=Path, required=True, help="directory to write into")
+    k8s = sub.add_parser("k8s", help="the fleet on Kubernetes (rendered only: nothing touches a cluster)")
+    p = k8s.add_subparsers(dest="k8s_command", required=True, metavar="ACTION").add_parser(
+        "render",
+        help="render the fleet file as kustomize trees: StatefulSets of the appliance itself (plain) or LLMKube's "
+        "resources (llmkube)",
+    )
+    p.set_defaults(handler=cmd_k8s_render)
+    p.add_argument("fleet", type=Path)
+    p.add_argument("--out", type=Path, required=True, help="directory to write into")
+    p.add_argument(
+        "--flavor",
+        choices=("plain", "llmkube"),
+        help="write this flavour's tree into DIR; default: both, into DIR/plain and DIR/llmkube",
+    )
 
 
 def _spec_commands(command: Command) -> None:

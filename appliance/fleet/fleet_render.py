@@ -16,7 +16,7 @@ from appliance import __version__
 from appliance.facts.machine import MachineFacts
 from appliance.fleet.hosts import HostSpec, derive, where_written
 from appliance.fleet.load import LoadedFleet
-from appliance.fleet.model import Fleet, Host
+from appliance.fleet.model import Balancer, Fleet, Host
 from appliance.plan.endpoint import Endpoint
 from appliance.plan.resolved import Appliance, resolve
 from appliance.plan.router import Router, router
@@ -243,23 +243,39 @@ def _haproxy(f: Fleet, members: list[FleetHost], header: str) -> HaproxyView:
         BackendServer(m.name, m.appliance.server.address, m.appliance.exporter.port, m.appliance.spec.server.parallel)
         for m in members
     )
+    binds = (host_port(b.address, b.port), host_port(b.address, b.stats_port))
+    max_queued = max(m.appliance.spec.health.ready_max_queued for m in members)
+    return haproxy_view(b, header, sum(s.maxconn for s in servers), binds, max_queued, servers)
+
+
+def haproxy_view(
+    b: Balancer,
+    header: str,
+    slots: int,
+    binds: tuple[str, str],
+    max_queued: int,
+    hosts: tuple[BackendServer, ...] = (),
+) -> HaproxyView:
+    """haproxy.cfg's values for a balancer in front of `slots` slots in all, listening on `binds` (the API's,
+    the stats'), saying "saturated" on its /ready past `max_queued` requests queued; `hosts` are its servers
+    when it names them one by one."""
     return HaproxyView(
         header=header,
         haproxy_version="2.6",
-        maxconn=max(1024, 4 * sum(s.maxconn for s in servers)),
+        maxconn=max(1024, 4 * slots),
         connect_timeout=f"{b.connect_timeout_seconds}s",
         server_timeout=f"{b.server_timeout_seconds}s",
         queue_timeout=f"{b.queue_timeout_seconds}s",
-        api_bind=host_port(b.address, b.port),
-        stats_bind=host_port(b.address, b.stats_port),
+        api_bind=binds[0],
+        stats_bind=binds[1],
         retries=b.retries,
         check_interval=f"{b.check_interval_seconds}s",
         check_interval_seconds=b.check_interval_seconds,
         fall=b.fall,
         rise=b.rise,
-        hosts=servers,
+        hosts=hosts,
         errors=client_errors(b.check_interval_seconds),
-        max_queued=max(m.appliance.spec.health.ready_max_queued for m in members),
+        max_queued=max_queued,
     )
 
 
@@ -312,19 +328,27 @@ def _prometheus(fleet: LoadedFleet, members: list[FleetHost], header: str) -> di
         "targets": {job: quoted(str(files_dir / f"{JOBS[job]}.json")) for job in JOBS},
     }
     files[f"{PROMETHEUS}/scrape.yml"] = template("fleet/scrape.yml.j2").render(v=scrape)
-    drain = f.balancer.check_interval_seconds * f.balancer.fall
     idle = max(m.appliance.spec.restart.idle_timeout_seconds for m in members)
+    balancer = host_port(f.balancer.address, f.balancer.stats_port)
+    files[f"{PROMETHEUS}/rules/fleet.rules.yml"] = fleet_rules(f, len(members), idle, balancer, header)
+    return files
+
+
+def fleet_rules(f: Fleet, hosts: int, idle_timeout_seconds: int, balancer: str, header: str) -> str:
+    """The fleet's own alerts (min_ready, a stuck drain, fleet-wide decay, the balancer's silence) over `hosts`
+    appliances whose longest wait for idle is `idle_timeout_seconds`; `balancer` says where HAProxy's stats are."""
+    drain = f.balancer.check_interval_seconds * f.balancer.fall
     name = quoted(f.fleet.name)
     rules = {
         "header": header,
         "name": f.fleet.name,
         "appliance": name,
-        "hosts": len(members),
+        "hosts": hosts,
         "min_ready": f.rules.min_ready,
         "below_min_ready_for": duration(f.rules.below_min_ready_alert_seconds),
         # Draining lasts the balancer's drain and the longest wait for idle; past both (and a margin), it is stuck.
-        "draining_for": duration(drain + idle + 300),
-        "balancer": host_port(f.balancer.address, f.balancer.stats_port),
+        "draining_for": duration(drain + idle_timeout_seconds + 300),
+        "balancer": balancer,
         "metric_names": {"version_info": metric.VERSION_INFO},
         "selectors": {
             "ready": f"{metric.READY}{{appliance={name}}}",
@@ -333,5 +357,4 @@ def _prometheus(fleet: LoadedFleet, members: list[FleetHost], header: str) -> di
             "balancer_scraped": f'up{{job="{JOBS["balancer"]}", appliance={name}}}',
         },
     }
-    files[f"{PROMETHEUS}/rules/fleet.rules.yml"] = template("fleet/fleet.rules.yml.j2").render(v=rules)
-    return files
+    return template("fleet/fleet.rules.yml.j2").render(v=rules)

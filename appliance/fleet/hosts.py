@@ -81,21 +81,21 @@ def schedule(rules: Rules, index: int) -> str:
 def derive(fleet: LoadedFleet, host: Host) -> HostSpec:
     """The host's spec text and its parse; SpecInvalid (located in the fleet or the host's spec) if it fails."""
     source = fleet.spec_of(host)
-    document = _merged(fleet, host)
+    document = merged(fleet, host)
     f = fleet.fleet
-    _table(document, "server")["host"] = host.address
-    _table(document, "prometheus")["host"] = host.address
+    table_of(document, "server")["host"] = host.address
+    table_of(document, "prometheus")["host"] = host.address
     # The host's own scrape jobs and rules carry the labels the fleet's targets give it.
-    labels = _table(document, "prometheus").get("labels")
+    labels = table_of(document, "prometheus").get("labels")
     if labels is None:
-        labels = _table(document, "prometheus")["labels"] = tomlkit.inline_table()
+        labels = table_of(document, "prometheus")["labels"] = tomlkit.inline_table()
     labels.update({"appliance": f.fleet.name, "host": host.name})
     allow = document.get("network", {}).get("allow", Network().allow)
     # The peers read this host's /ready before they restart (the min_ready guard): they are clients too.
     peers = [h.address for h in f.hosts if h != host]
     extra = [network_of(a) for a in (f.balancer.address, f.prometheus.address, *peers) if a is not None]
-    _table(document, "network")["allow"] = list(dict.fromkeys([*(str(a) for a in allow), *extra]))
-    _table(document, "restart")["schedule"] = schedule(f.rules, fleet.index(host))
+    table_of(document, "network")["allow"] = list(dict.fromkeys([*(str(a) for a in allow), *extra]))
+    table_of(document, "restart")["schedule"] = schedule(f.rules, fleet.index(host))
     document["fleet"] = _member(fleet, host)
     header = (
         f"# host {host.name} of fleet {f.fleet.name}: generated from {fleet.path.name} and {source.name} by "
@@ -129,7 +129,7 @@ def _member(fleet: LoadedFleet, host: Host) -> Table:
     peers = tomlkit.inline_table()
     for peer in fleet.fleet.hosts:
         if peer != host:
-            peers[peer.name] = ready_url(peer, _merged(fleet, peer))
+            peers[peer.name] = ready_url(peer, merged(fleet, peer))
     table["peers"] = peers
     table["min_ready"] = fleet.fleet.rules.min_ready
     table["drain_seconds"] = drain_seconds(fleet.fleet.balancer)
@@ -146,7 +146,7 @@ def ready_url(host: Host, document: Any) -> str:
     return f"http://{host_port(host.address, port)}/ready"
 
 
-def _merged(fleet: LoadedFleet, host: Host) -> Any:
+def merged(fleet: LoadedFleet, host: Host) -> Any:
     """The host's spec file as a tomlkit document (comments kept), with the fleet's and the host's overrides."""
     source = fleet.spec_of(host)
     original = read_text(source, str(source))
@@ -154,11 +154,11 @@ def _merged(fleet: LoadedFleet, host: Host) -> Any:
     document = tomlkit.parse(original)
     for overrides in (fleet.fleet.fleet.overrides, host.overrides):
         for table, values in overrides.items():
-            _merge(_table(document, table), values)
+            _merge(table_of(document, table), values)
     return document
 
 
-def _table(document: Any, name: str) -> Table:
+def table_of(document: Any, name: str) -> Table:
     if name not in document:
         document[name] = tomlkit.table()
     table: Table = document[name]

@@ -7,11 +7,12 @@ the shared one (or its own), with `overrides` merged over it table by table; the
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from appliance.spec.address import ip_address
 from appliance.spec.base import FilePath, Line, Strict
@@ -78,6 +79,56 @@ class FleetPrometheus(Strict):
     files_dir: FilePath = Path("/etc/prometheus/llm-appliance")
 
 
+DNS_LABEL = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+IMAGE = r"^[^\s]+$"
+
+
+def _cidr(value: str) -> str:
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        raise ValueError(f"{value!r} is not an address or network; write e.g. 10.0.0.1/32") from None
+    return value
+
+
+CIDR = Annotated[str, AfterValidator(_cidr)]
+
+
+class ModelsVolume(Strict):
+    """Where the pods find the model files the spec names: a node directory (read-only hostPath), staged on each
+    node as on a host under systemd, or a PersistentVolumeClaim; exactly one. Mounted read-only at the directory
+    of the spec's model files."""
+
+    host_path: FilePath | None = None
+    claim: Annotated[str, Field(pattern=DNS_LABEL)] | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> ModelsVolume:
+        if (self.host_path is None) == (self.claim is None):
+            raise ValueError("set exactly one of host_path (a node directory) and claim (a PersistentVolumeClaim)")
+        return self
+
+
+class Kubernetes(Strict):
+    """The fleet on a cluster (`llm-appliance k8s render`): what a spec does not say because a host needs none
+    of it, the image above all."""
+
+    # The image holds llm-appliance at /opt/llm-appliance/venv and llama-server, as install.sh lays them out.
+    image: Annotated[str, Field(pattern=IMAGE)] | None = None
+    namespace: Annotated[str, Field(pattern=DNS_LABEL)] = "llm-appliance"
+    models: ModelsVolume = ModelsVolume(host_path=Path("/var/lib/llm-appliance/models"))
+    # The service user's uid and gid in the image (the pods run as them, never as root).
+    run_as_user: Annotated[int, Field(ge=1, le=2147483647)] = 10001
+    run_as_group: Annotated[int, Field(ge=1, le=2147483647)] = 10001
+    # Where the Prometheus that reads the PodMonitors runs: its pods may scrape the appliances and HAProxy.
+    monitoring_namespace: Annotated[str, Field(pattern=DNS_LABEL)] = "monitoring"
+    # The API server's address as pods reach it after the Service's DNAT (`kubectl get endpoints kubernetes`):
+    # the one egress besides DNS, for the daemon's Eviction. Unset: any address on ports 443 and 6443.
+    api_server: CIDR | None = None
+    cluster_domain: Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")] = "cluster.local"
+    haproxy_image: Annotated[str, Field(pattern=IMAGE)] = "haproxy:2.6"
+
+
 class Host(Strict):
     name: str
     address: IP
@@ -112,4 +163,5 @@ class Fleet(Strict):
     # A router on the balancer's host, in front of HAProxy, with this upstream as the fallback: clients connect
     # to balancer.address at fallback.port; HAProxy's /ready (stats_port) says when no host can take a request.
     fallback: Fallback | None = None
+    kubernetes: Kubernetes | None = None  # `k8s render` only; `fleet render` ignores it
     hosts: Annotated[list[Host], Field(min_length=1)]

@@ -42,11 +42,17 @@ def validate(path: Path, facts: MachineFacts | None = None, vocab_reader: VocabR
 
 
 def validate_loaded(
-    loaded: LoadedSpec, facts: MachineFacts | None = None, vocab_reader: VocabReader = read_vocab
+    loaded: LoadedSpec,
+    facts: MachineFacts | None = None,
+    vocab_reader: VocabReader = read_vocab,
+    key_files: bool = True,
 ) -> Validated:
-    """`validate` of a spec already read (a fleet derives each host's spec from text of its own)."""
+    """`validate` of a spec already read (a fleet derives each host's spec from text of its own). Without
+    `key_files`, the key files are not read here: on a cluster they come from a Secret this machine never holds
+    (the pod's `up` checks them where they are)."""
     spec = loaded.spec
-    found = _name_problems(loaded.path) + spec_problems(loaded) + key_problems(spec) + _schedule_problems(spec)
+    keys = key_problems(spec) if key_files else []
+    found = _name_problems(loaded.path) + spec_problems(loaded) + keys + _schedule_problems(spec)
     facts = facts or gather(spec)
     box, sandbox_problems = sandbox(spec, str(facts.binary) if facts.binary else spec.server.binary)
     found += sandbox_problems
