@@ -213,13 +213,18 @@ class HealthDaemon:
     def _wait_for_next_check(self, stop: threading.Event) -> bool:
         """Until the next check is due, or sooner when a restart is asked for; False once stopped."""
         due = time.monotonic() + self.next_check_in()
-        while not (self.requests.pending() or self.turn.drains.pending()):
+        while not self._asked():
             left = due - time.monotonic()
             if left <= 0:
                 break
             if stop.wait(min(left, REQUEST_POLL_SECONDS)):
                 return False
         return not stop.is_set()
+
+    def _asked(self) -> bool:
+        """A drain asked for; or a restart, unless draining for good (it is not carried out, and would wake
+        every poll)."""
+        return self.turn.drains.pending() or (self.turn.leaving is None and self.requests.pending())
 
 
 def _evictor() -> Evictor | NotInCluster:

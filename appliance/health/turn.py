@@ -210,7 +210,7 @@ class RestartTurn:
         )
         self._serve_again()
         self.readiness.restart_wanted(None, claim=False)
-        self.leaving = Drain(self.drain.drain_seconds, math.inf)
+        self.leaving = Drain(self.drain.drain_seconds, math.inf, started=now)
         self.draining = True
 
     def _go_on_leaving(self, now: float, busy: bool) -> Action:
