@@ -197,7 +197,9 @@ def test_a_drain_asked_for_waits_drain_seconds_then_the_requests_in_flight_and_s
     assert drains.taken(asked) and not drains.done(asked)
     # Past drain_seconds, busy: no idle_timeout, a drain waits for the requests in flight however long.
     assert step(rig, DRAIN) == "wait" and step(rig, 3600) == "wait" and not drains.done(asked)
-    rig.api.processing = 0
+    rig.api.processing, rig.api.deferred = 0, 1  # one slot free, a request still queued for the next
+    assert step(rig, 1) == "wait" and not drains.done(asked)
+    rig.api.deferred = 0
     assert step(rig, 1) == "drained" and drains.done(asked)
     # Drained for good: no restart (asked for or wanted) is carried out, and a restart request wakes nothing.
     RestartRequests(rig.state_file.parent).submit("manual")
