@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import re
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 EVICTION_PATH = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<pod>[^/]+)/eviction$")
@@ -26,8 +28,16 @@ REFUSED = "Cannot evict pod as it would violate the pod's disruption budget."
 
 
 class FakeEvictionApi:
-    def __init__(self, namespace: str, pods: dict[str, bool], min_available: int, token: str = "fake-token") -> None:
-        """`pods`: the PDB's pods by name, ready or not."""
+    def __init__(
+        self,
+        namespace: str,
+        pods: dict[str, bool],
+        min_available: int,
+        token: str = "fake-token",
+        tls: tuple[Path, Path] | None = None,
+    ) -> None:
+        """`pods`: the PDB's pods by name, ready or not; `tls`: a certificate and its key, to speak HTTPS as the
+        API server does."""
         self.namespace, self.min_available, self.token = namespace, min_available, token
         self.pods = dict(pods)
         self.answers: list[tuple[str, int]] = []  # (pod, HTTP status) of every POST, in order
@@ -50,7 +60,11 @@ class FakeEvictionApi:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.server.server_port}"
         threading.Thread(target=self.server.serve_forever, daemon=True, name="fake-eviction-api").start()
 
     def set_ready(self, pod: str, ready: bool) -> None:

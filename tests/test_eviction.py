@@ -10,9 +10,11 @@ daemons are the real HealthDaemon with the fakes of tests/test_daemon_logic.py (
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,22 @@ def test_a_wrong_token_or_no_api_server_is_a_failure_not_a_refusal(tmp_path: Pat
     assert answer.outcome == "failed" and "not reached" in answer.detail
     missing = InCluster(POD, NAMESPACE, fake.url, tmp_path / "no-token", None)
     assert "cannot read the service account token" in Evictor(missing).evict().detail
+
+
+def test_over_https_the_api_server_is_trusted_through_the_service_accounts_ca_only(tmp_path: Path) -> None:
+    cert, key = tmp_path / "ca.crt", tmp_path / "key.pem"
+    certificate = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kubernetes"]
+    names = ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)]
+    subprocess.run([*certificate, *names], check=True, capture_output=True)
+    api = FakeEvictionApi(NAMESPACE, {POD: True}, min_available=1, tls=(cert, key))
+    try:
+        trusted = Evictor(replace(cluster(tmp_path, api), ca_file=cert)).evict()
+        assert trusted.outcome == "refused" and REFUSED in trusted.detail
+        untrusted = Evictor(cluster(tmp_path, api)).evict()  # the system's CAs: not the cluster's
+        assert untrusted.outcome == "failed" and "CERTIFICATE_VERIFY_FAILED" in untrusted.detail
+        assert api.answers == [(POD, 429)]
+    finally:
+        api.close()
 
 
 def test_the_in_cluster_configuration_is_the_pods_own(tmp_path: Path) -> None:
