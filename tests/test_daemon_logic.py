@@ -210,6 +210,7 @@ class Rig:
         self.nvml = FakeNvml()
         self.control = FakeControl(self.api)
         self.cpu = FakeCpu()
+        self.extra = daemon  # more of HealthDaemon's parts (an evictor)
         self.daemon = self.new_daemon()
 
     def new_daemon(self) -> HealthDaemon:
@@ -225,6 +226,7 @@ class Rig:
             api=self.api,  # type: ignore[arg-type]
             clock=self.clock,
             cpu=self.cpu,  # type: ignore[arg-type]
+            **self.extra,
         )
         return self.daemon
 

@@ -34,6 +34,7 @@ UNITS = {
     "samples",
     "runs",
     "restarts",
+    "evictions",
     "errors",
     "failed probes",
     "joules",
@@ -173,7 +174,7 @@ def test_counters_end_in_total_and_nothing_else_does() -> None:
             assert name.endswith("_total") and not name.endswith("_total_total"), name
         else:
             assert not name.endswith("_total"), f"{name} is a {kind} named like a counter"
-    assert len([k for k in found.values() if k == "counter"]) == 8
+    assert len([k for k in found.values() if k == "counter"]) == 9
 
 
 def test_units_are_base_units_in_the_name() -> None:

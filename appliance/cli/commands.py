@@ -338,6 +338,16 @@ def cmd_restart(args: argparse.Namespace) -> int:
     return request_restart(state_dir, args.reason, applied)
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    from appliance.health.privileges import become_owner
+    from appliance.health.service import request_drain
+
+    state_dir = args.state_dir or Appliance.read(args.snapshot).state_file.parent
+    if os.geteuid() == 0:
+        become_owner(state_dir)  # as for `restart`: the daemon's state directory is the service user's
+    return request_drain(state_dir, args.timeout)
+
+
 def cmd_install(args: argparse.Namespace) -> int:
     from appliance.ops.install import main_install
 

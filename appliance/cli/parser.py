@@ -11,6 +11,7 @@ from appliance.cli.commands import (
     cmd_apply,
     cmd_bench,
     cmd_check_versions,
+    cmd_drain,
     cmd_engine_info,
     cmd_engine_install,
     cmd_explain,
@@ -192,6 +193,24 @@ def _unit_commands(command: Command) -> None:
         help="wait until no request is processing (idle_timeout at the latest)",
     )
     p.add_argument("--reason", default="manual", choices=["scheduled", "manual"])
+    p = command(
+        "drain",
+        cmd_drain,
+        "have the health daemon stop taking requests for good (/ready 503 draining) and wait until none is in "
+        "flight (a pod's preStop; under systemd or `up`)",
+    )
+    _snapshot_option(p)
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        help="the running daemon's state directory (`up --state-dir`); default: the applied snapshot's",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="give up (exit 1) when not drained within this many seconds (default 300)",
+    )
 
 
 def _machine_commands(command: Command, sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

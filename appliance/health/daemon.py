@@ -24,6 +24,7 @@ from appliance.facts.energy_meters import EnergyMeter, meters_for
 from appliance.facts.gpu import Nvml
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
+from appliance.health.eviction import Evictor, InCluster, NotInCluster
 from appliance.health.exporter import Metrics, Readiness
 from appliance.health.peers import PeerReader, reader
 from appliance.health.probe import (
@@ -94,6 +95,7 @@ class HealthDaemon:
         peers: PeerReader | None = None,
         energy: Sequence[EnergyMeter] | None = None,
         cpu: CpuProbe | None = None,
+        evictor: Evictor | None = None,
     ) -> None:
         appliance, health = config.appliance, config.spec.health
         self.config, self.control, self.nvml, self.clock = config, control, nvml, clock
@@ -109,10 +111,16 @@ class HealthDaemon:
         self.cpu = cpu or CpuProbe()
         meters = meters_for(appliance.server_devices, nvml) if energy is None else energy
         self.watch = Watch(appliance, self.metrics, list(meters))
-        self.turn = RestartTurn(config.spec, self.requests, self.metrics, self.readiness)
+        fleet = config.spec.fleet
+        evicts = fleet is not None and fleet.turns == "eviction"
+        self.turn = RestartTurn(
+            config.spec, self.requests, self.metrics, self.readiness, (evictor or _evictor()) if evicts else None
+        )
+        # A drain is the running daemon's (requests.py): one a previous daemon left is not this one's to do.
+        self.turn.drains.forget()
         # A fleet host's balancer queues for it (maxconn = its slots), and its peers count its /ready toward
         # min_ready: saturation and degradation are a lone appliance's to say (to a router in front of it).
-        self.alone = not (config.spec.fleet and config.spec.fleet.peers)
+        self.alone = not (fleet and (fleet.peers or evicts))
         live = ServerApi(appliance.server.url, key, timeout=SATURATION_TIMEOUT_SECONDS)
         saturation = Saturation(live, config.spec.server.parallel, health.ready_max_queued) if self.alone else None
         self.readiness.refuse_when_saturated(saturation, retry_after(config.spec))
@@ -153,8 +161,8 @@ class HealthDaemon:
             self.watch.versions(versions.detect(self.nvml, self.config.engine_dir), seen)
             self.watch.verdict(seen)
             action = self.turn.step(now, seen, self.read_peers)
-            if action.kind == "restart":
-                self.restart(action.reason or "unknown", action.detail, now)
+            if action.kind in ("restart", "evicted"):
+                self.restart(action.reason or "unknown", action.detail, now, by_cluster=action.kind == "evicted")
             self.readiness.set(ready_reason(seen, self.probe.warm, self.turn.draining, action.kind, self.alone))
         except Exception:  # the daemon must outlive any surprise; say what happened and carry on
             log.exception("health check failed")
@@ -162,12 +170,17 @@ class HealthDaemon:
         self.metrics.check_duration.set(time.monotonic() - started)
         return seen
 
-    def restart(self, reason: str, detail: str, now: float) -> None:
+    def restart(self, reason: str, detail: str, now: float, by_cluster: bool = False) -> None:
+        """Restart the server; `by_cluster`: its pod was evicted, so the kubelet stops it and the StatefulSet
+        starts it again: counted and logged the same, carried out by the cluster while this daemon drains."""
         log.warning("restarting llama-server: %s (%s)", reason, detail)
         self.turn.restarted(now)
         self.restart_log.append(now, reason)
         self.metrics.restarts.labels(reason).inc()
         self.metrics.last_restart.set(now)
+        if by_cluster:
+            self.turn.leave(now, "the pod was evicted; the cluster restarts it")
+            return
         self.watch.after_restart(reason)
         self.probe.after_restart(now)
         # Not ready until a check sees the restarted server answer /health again.
@@ -201,10 +214,23 @@ class HealthDaemon:
     def _wait_for_next_check(self, stop: threading.Event) -> bool:
         """Until the next check is due, or sooner when a restart is asked for; False once stopped."""
         due = time.monotonic() + self.next_check_in()
-        while not self.requests.pending():
+        while not self._asked():
             left = due - time.monotonic()
             if left <= 0:
                 break
             if stop.wait(min(left, REQUEST_POLL_SECONDS)):
                 return False
         return not stop.is_set()
+
+    def _asked(self) -> bool:
+        """A drain asked for; or a restart, unless draining for good (it is not carried out, and would wake
+        every poll)."""
+        return self.turn.drains.pending() or (self.turn.leaving is None and self.requests.pending())
+
+
+def _evictor() -> Evictor | NotInCluster:
+    try:
+        return Evictor(InCluster.from_env())
+    except NotInCluster as exc:
+        log.error("%s", exc)
+        return exc

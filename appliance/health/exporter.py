@@ -20,6 +20,7 @@ from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import RestrictedRegistry
 
+from appliance.health.eviction import OUTCOMES as EVICTION_OUTCOMES
 from appliance.plan.router import NOT_READY
 from appliance.spec.address import is_ipv6
 from appliance.system import metric_names as metric
@@ -201,6 +202,12 @@ class Metrics:
         self.restart_pending = gauge(
             metric.RESTART_PENDING, "Whether a wanted restart waits for idle or the cooldown (1/0)"
         )
+        self.evictions = counter(
+            metric.EVICTIONS_TOTAL,
+            "Evictions of its own pod the daemon asked for, [fleet] turns = eviction, by outcome: granted, refused "
+            "(429: the PodDisruptionBudget), failed (evictions)",
+            ("outcome",),
+        )
         self.ready = gauge(metric.READY, "Whether /ready answers 200: llama-server is up and not draining (1/0)")
         self.draining = gauge(metric.DRAINING, "Whether the daemon keeps new requests away before a restart (1/0)")
         self.peers_ready = gauge(
@@ -232,6 +239,8 @@ class Metrics:
             self.probe_errors.labels(probe)
         for outcome in CANARY_OUTCOMES:
             self.canaries.labels(outcome)
+        for outcome in EVICTION_OUTCOMES:
+            self.evictions.labels(outcome)
 
 
 # What /ready tells the fleet's other daemons beside its status (the min_ready guard reads them, health/peers.py):

@@ -44,6 +44,7 @@ class Reading:
     hung: bool = False  # /health was accepted and timed out while the unit runs
     counted: bool = False  # /metrics answered
     processing: float = 0.0  # requests in flight, from /metrics
+    deferred: float = 0.0  # requests queued for a slot, from /metrics: in flight too, for a drain
     window: Window | None = None  # the traffic since the last check's counters
     context_tokens: int | None = None  # read only for a window long enough to give a rate
     canary_tps: float | None = None  # the idle canary's rate, when one was run and measured
@@ -54,7 +55,9 @@ class Reading:
 
     @property
     def busy(self) -> bool:
-        return self.processing > 0
+        # A queued request is in flight: a drain that ended between one slot's request and the next queued
+        # one would cut it.
+        return self.processing > 0 or self.deferred > 0
 
     @property
     def rated(self) -> bool:
@@ -108,6 +111,7 @@ class ServerProbe:
             self.metrics.probe_errors.labels("metrics").inc()
             return seen
         seen.counted, seen.processing = True, values.get("requests_processing", 0.0)
+        seen.deferred = values.get("requests_deferred", 0.0)
         sample = counters(values)
         seen.window = window(self.previous, sample)
         self.previous = sample

@@ -6,6 +6,10 @@ The command writes REQUEST; the daemon adopts it by renaming it to ADOPTED (the 
 removes ADOPTED just before the restart it asked for. A daemon that stops in between (a crash, a stop) finds
 ADOPTED when it starts again and carries the restart out.
 
+A drain (`llm-appliance drain`, a pod's preStop) takes the same road: the command writes DRAIN_REQUEST, the daemon
+adopts it, stops taking requests for good (/ready "draining") and writes DRAINED with the request's id once none is
+in flight; the command waits for that.
+
 Both sides run as the service user, which owns the directory: a request is a wish the user could carry out
 itself (polkit lets it restart the server), so it is parsed with care but needs no more trust than that.
 """
@@ -26,6 +30,9 @@ from appliance.system.files import write_atomically
 log = logging.getLogger("llm-appliance.health")
 REQUEST = "restart-request.json"
 ADOPTED = "restart-adopted.json"
+DRAIN_REQUEST = "drain-request.json"
+DRAIN_ADOPTED = "drain-adopted.json"
+DRAINED = "drained.json"
 Reason = Literal["scheduled", "manual"]
 
 
@@ -91,3 +98,64 @@ def _read(path: Path) -> RestartRequest | None:
     if reason not in get_args(Reason):
         return None
     return RestartRequest(cast(Reason, reason), requested_at, ident)
+
+
+class DrainRequests:
+    def __init__(self, state_dir: Path) -> None:
+        self.request = state_dir / DRAIN_REQUEST
+        self.adopted = state_dir / DRAIN_ADOPTED
+        self.drained = state_dir / DRAINED
+
+    # -- the command's side --
+
+    def submit(self) -> str:
+        ident = uuid.uuid4().hex
+        write_atomically(self.request, json.dumps({"id": ident, "requested_at": time.time()}) + "\n", mode=0o600)
+        return ident
+
+    def taken(self, ident: str) -> bool:
+        return _drain_id(self.request) != ident
+
+    def done(self, ident: str) -> bool:
+        return _drain_id(self.drained) == ident
+
+    def withdraw(self, ident: str) -> None:
+        if not self.taken(ident):
+            self.request.unlink(missing_ok=True)
+
+    # -- the daemon's side --
+
+    def forget(self) -> None:
+        """At the daemon's start: a drain is the running daemon's to carry out. One left from before (a pod's
+        state directory on a volume outlives the pod) would keep the new one draining for ever."""
+        for path in (self.request, self.adopted, self.drained):
+            path.unlink(missing_ok=True)
+
+    def pending(self) -> bool:
+        return self.request.exists()
+
+    def adopt(self) -> str | None:
+        """The id of a drain asked for since the last look, taken now; None when none was."""
+        if not self.request.exists():
+            return None
+        try:
+            os.replace(self.request, self.adopted)
+        except OSError as exc:
+            log.warning("cannot take the drain request %s: %s", self.request, exc)
+            return None
+        ident = _drain_id(self.adopted)
+        if ident is None:
+            log.warning("ignoring %s: not a drain request this version writes", self.adopted)
+        return ident
+
+    def drained_for(self, ident: str) -> None:
+        write_atomically(self.drained, json.dumps({"id": ident}) + "\n", mode=0o600)
+        self.adopted.unlink(missing_ok=True)
+
+
+def _drain_id(path: Path) -> str | None:
+    try:
+        ident = json.loads(path.read_text())["id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return ident if isinstance(ident, str) else None

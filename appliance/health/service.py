@@ -17,7 +17,7 @@ from appliance.health import versions
 from appliance.health.daemon import DaemonConfig, HealthDaemon
 from appliance.health.exporter import Metrics, Readiness, serve
 from appliance.health.privileges import AS_CURRENT_USER, become, prepare, say_what_is_not_enforced, service_user
-from appliance.health.requests import Reason, RestartRequests
+from appliance.health.requests import DrainRequests, Reason, RestartRequests
 from appliance.health.router import start_beside_up
 from appliance.health.state import RestartLog
 from appliance.health.units import SystemdUnit, UnitError
@@ -108,6 +108,38 @@ def request_restart(state_dir: Path, reason: Reason, applied: Appliance | None) 
         return 3
     log.warning("no health daemon took the restart request: restarting through systemd when idle")
     return restart_when_idle(applied, reason)
+
+
+def request_drain(state_dir: Path, timeout: float) -> int:
+    """What `drain` (a pod's preStop) does: hand the running health daemon a drain request and wait until it says
+    drained: /ready answered 503 "draining" for the fleet's drain_seconds, then no request in flight. The daemon
+    stays draining (the pod is going away); 1 when `timeout` passes first, with why."""
+    drains = DrainRequests(state_dir)
+    try:
+        ident = drains.submit()
+    except OSError as exc:
+        log.error(
+            "cannot leave the drain request in %s: %s; run it as root or as %s",
+            state_dir,
+            exc.strerror,
+            paths.SERVICE_USER,
+        )
+        return 2
+    deadline = time.monotonic() + timeout
+    while not drains.done(ident):
+        if time.monotonic() >= deadline:
+            taken = drains.taken(ident)
+            drains.withdraw(ident)
+            why = (
+                "the health daemon is draining, requests still in flight"
+                if taken
+                else f"no health daemon took the request (is the `up` whose --state-dir is {state_dir} running?)"
+            )
+            log.error("not drained after %.0f s: %s", timeout, why)
+            return 1
+        time.sleep(0.2)
+    log.info("drained: the health daemon answers /ready 503 draining and no request is in flight")
+    return 0
 
 
 def restart_when_idle(appliance: Appliance, reason: str, control: SystemdUnit | None = None) -> int:

@@ -1,6 +1,8 @@
 """The restart turn: from a wanted restart (the watch's reason, or one asked for by the timer or an admin) to
 the restart itself, through the budget and cooldown (RestartPolicy), this host's turn in the fleet (the
-min_ready guard, restart_turn), and the drain (Drain). It owns the state between checks: draining, the claim,
+min_ready guard, restart_turn; or, with [fleet] turns = "eviction", the cluster's answer to the eviction of this
+pod, health/eviction.py), and the drain (Drain). A drain asked for (`llm-appliance drain`, a pod's preStop) or a
+granted eviction ends it all: the host drains for good and restarts nothing, since it is going away. It owns the state between checks: draining, the claim,
 the adopted request, what it last said; `step` moves it once per check and returns what to do now.
 
 The restart is the daemon's to carry out (it touches the server, the watch and the probe); `restarted` tells
@@ -10,14 +12,16 @@ the turn it happened. Readiness follows from the turn's state (`ready_reason`).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from appliance.health.detectors import RestartPolicy
 from appliance.health.drain import Drain, restart_turn
+from appliance.health.eviction import Evictor, NotInCluster
 from appliance.health.exporter import Metrics, Readiness
 from appliance.health.peers import Peer
-from appliance.health.requests import RestartRequest, RestartRequests
+from appliance.health.requests import DrainRequests, RestartRequest, RestartRequests
 from appliance.health.watch import Observation
 from appliance.spec.model import Spec
 
@@ -29,7 +33,9 @@ PENDING = ("claim", "drain", "wait", "cooldown")
 @dataclass(frozen=True)
 class Action:
     """What this check does about a wanted restart: "none", "cooldown" or "exhausted" (the policy), "wait" (for
-    the fleet's turn or requests in flight), "claim", "drain", "held" (the fleet decays at once), "restart"."""
+    the fleet's turn or requests in flight), "claim", "drain", "held" (the fleet decays at once), "restart";
+    "evicted" (the cluster restarts the pod: the restart is counted, not carried out); "drained" (drained for
+    good)."""
 
     kind: str
     reason: str | None = None
@@ -55,10 +61,26 @@ def ready_reason(seen: Observation, warm: bool, draining: bool, action: str, alo
 
 
 class RestartTurn:
-    def __init__(self, spec: Spec, requests: RestartRequests, metrics: Metrics, readiness: Readiness) -> None:
+    def __init__(
+        self,
+        spec: Spec,
+        requests: RestartRequests,
+        metrics: Metrics,
+        readiness: Readiness,
+        evictor: Evictor | NotInCluster | None = None,
+    ) -> None:
         restart, fleet = spec.restart, spec.fleet
         self.fleet = fleet
         self.requests, self.metrics, self.readiness = requests, metrics, readiness
+        self.drains = DrainRequests(requests.request.parent)
+        # With [fleet] turns = "eviction": the pod's evictor, or why the pod cannot ask (not in a cluster).
+        self.evictor = evictor
+        self.ask_again_every = float(spec.health.interval_seconds)
+        self.ask_again_at = -math.inf
+        # The drain for good (asked for, or after a granted eviction), and the drain requests it answers.
+        self.leaving: Drain | None = None
+        self.drain_asked: list[str] = []
+        self.drained = False
         self.policy = RestartPolicy(restart.cooldown_seconds, restart.max_per_hour)
         self.drain = Drain(fleet.drain_seconds if fleet else 0, restart.idle_timeout_seconds)
         self.draining = False
@@ -69,14 +91,24 @@ class RestartTurn:
         self.said = ""
 
     def step(self, now: float, seen: Observation, read_peers: Callable[[Mapping[str, str]], list[Peer]]) -> Action:
+        asked = self.drains.adopt()
+        if asked is not None:
+            self.drain_asked.append(asked)
+            if self.leaving is None:
+                self.leave(now, "asked for (`llm-appliance drain`, a pod's preStop)")
+        if self.leaving is not None:
+            action = self._go_on_leaving(now, seen.busy)
+            seen.action = action.kind
+            self.metrics.restart_pending.set(0)
+            return action
         if seen.reason != "decay":
             self.metrics.fleet_decay.set(0)
         decision = self.policy.decide(now, seen.reason)
         self.metrics.restart_budget_exhausted.set(1 if self.policy.exhausted else 0)
         self.requested = self.requested or self.requests.adopt()
         # What the peers read: the restart this host wants (whatever the policy says of it), and its claim.
-        asked = self.requested.reason if self.requested else None
-        self.readiness.restart_wanted(seen.reason or asked, self.claimed)
+        wanted = self.requested.reason if self.requested else None
+        self.readiness.restart_wanted(seen.reason or wanted, self.claimed)
         if decision.action == "exhausted":
             self._say(
                 f"restart wanted ({decision.reason}) but not done: {decision.detail}; the server needs a human",
@@ -111,7 +143,11 @@ class RestartTurn:
         self.in_turn = True
         fleet = self.fleet
         # A server that does not answer (hung, gone) is out of the rotation already: no turn to wait for.
-        if fleet is None or not fleet.peers or not seen.up:
+        if fleet is None or not seen.up:
+            return self._drain(reason, detail, now, seen.busy)
+        if fleet.turns == "eviction":
+            return self._evict(reason, detail, now, read_peers)
+        if not fleet.peers:
             return self._drain(reason, detail, now, seen.busy)
         peers = read_peers(fleet.peers)
         self.metrics.peers_ready.set(sum(1 for p in peers if p.ready))
@@ -133,6 +169,62 @@ class RestartTurn:
             self._say(f"restart ({reason}) draining, not restarting yet: {verdict.detail}")
             return Action("drain", reason, verdict.detail)
         return self._drain(reason, detail, now, seen.busy)
+
+    def _evict(
+        self, reason: str, detail: str, now: float, read_peers: Callable[[Mapping[str, str]], list[Peer]]
+    ) -> Action:
+        """The cluster's turn: evict this pod, and the PodDisruptionBudget says whether the fleet can spare it now
+        (granted: the kubelet drains the pod and the StatefulSet starts it again). Refused, serve on and ask again
+        an interval later. The fleet-wide decay hold reads the peers the spec lists (the StatefulSet's pods by
+        their stable names, this one among them), if it lists them."""
+        assert self.fleet is not None
+        if not isinstance(self.evictor, Evictor):
+            self._say(f"restart wanted ({reason}) but this pod cannot ask for its turn: {self.evictor}", logging.ERROR)
+            return Action("wait", reason, str(self.evictor))
+        others = {name: url for name, url in self.fleet.peers.items() if name != self.evictor.pod}
+        if reason == "decay" and others:
+            peers = read_peers(others)
+            self.metrics.peers_ready.set(sum(1 for p in peers if p.ready))
+            if self._fleet_decays(peers):
+                return Action("held", reason)
+        if now < self.ask_again_at:
+            return Action("wait", reason, "the cluster refused the eviction; asking again")
+        answer = self.evictor.evict()
+        self.metrics.evictions.labels(answer.outcome).inc()
+        if answer.outcome == "granted":
+            return Action("evicted", reason, f"{detail}; pod {self.evictor.pod} evicted ({answer.detail})")
+        self.ask_again_at = now + self.ask_again_every
+        level = logging.INFO if answer.outcome == "refused" else logging.ERROR
+        self._say(
+            f"restart wanted ({reason}), not this pod's turn yet: eviction {answer.outcome}, {answer.detail}", level
+        )
+        return Action("wait", reason, answer.detail)
+
+    def leave(self, now: float, why: str) -> None:
+        """Drain for good: not ready from now on, the balancer's drain_seconds, then until no request is in
+        flight, with no idle_timeout (the drain command's timeout and the kubelet's grace period bound it)."""
+        log.warning(
+            "draining for good (%s): not ready from now on; %d s for the balancer, then the requests in flight",
+            why,
+            self.drain.drain_seconds,
+        )
+        self._serve_again()
+        self.readiness.restart_wanted(None, claim=False)
+        self.leaving = Drain(self.drain.drain_seconds, math.inf, started=now)
+        self.draining = True
+
+    def _go_on_leaving(self, now: float, busy: bool) -> Action:
+        assert self.leaving is not None
+        step = self.leaving.step(now, busy)
+        if step != "restart":
+            return Action(step)
+        if not self.drained:
+            log.info("drained: no request in flight; waiting to be stopped")
+            self.drained = True
+        for ident in self.drain_asked:
+            self.drains.drained_for(ident)
+        self.drain_asked.clear()
+        return Action("drained")
 
     def _fleet_decays(self, peers: list[Peer]) -> bool:
         """Most of the fleet decaying at once is the fleet's cause (a driver, CUDA, a library), not this host's:

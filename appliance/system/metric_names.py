@@ -60,6 +60,7 @@ RESTARTS_TOTAL = f"{PREFIX}_restarts_total"
 LAST_RESTART_TIMESTAMP_SECONDS = f"{PREFIX}_last_restart_timestamp_seconds"
 RESTART_BUDGET_EXHAUSTED = f"{PREFIX}_restart_budget_exhausted"
 RESTART_PENDING = f"{PREFIX}_restart_pending"
+EVICTIONS_TOTAL = f"{PREFIX}_evictions_total"  # [fleet] turns = "eviction": the cluster's answers
 
 # The fleet, as this host's daemon sees it.
 FLEET_PEERS_READY = f"{PREFIX}_fleet_peers_ready"
