@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sysconfig
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,14 @@ def test_both_flavours_are_rendered_one_statefulset_per_distinct_spec(out: Path)
     assert services == ["demo-1", "demo-3"]
     spec = one(out / "plain", "ConfigMap", "demo-1-spec")["data"]["demo.toml"]
     assert 'turns = "eviction"' in spec and "min_ready = 0" in spec and 'host = "0.0.0.0"' in spec
+    # Every pod of the fleet by its stable name, for the fleet-wide decay hold (a pod skips its own entry).
+    peers = tomllib.loads(spec)["fleet"]["peers"]
+    domain = "llm-appliance.svc.cluster.local"
+    assert peers == {
+        "demo-1-0": f"http://demo-1-0.demo-1.{domain}:9478/ready",
+        "demo-1-1": f"http://demo-1-1.demo-1.{domain}:9478/ready",
+        "demo-3-0": f"http://demo-3-0.demo-3.{domain}:9478/ready",
+    }
 
 
 def test_rendering_is_pure(fleet_file: Path, out: Path, tmp_path: Path) -> None:
@@ -313,7 +322,10 @@ def test_network_policy_lets_in_network_allow_and_lets_out_dns_and_the_api_serve
     policy = one(out / "plain", "NetworkPolicy", "demo-1")["spec"]
     assert policy["policyTypes"] == ["Ingress", "Egress"]  # the demo's network.egress = "deny"
     ports = sorted((p["protocol"], p["port"]) for rule in policy["egress"] for p in rule["ports"])
-    assert ports == [("TCP", 53), ("TCP", 443), ("TCP", 6443), ("UDP", 53)]
+    # DNS, the other pods' /ready (the decay hold), the API server (the daemon's Eviction).
+    assert ports == [("TCP", 53), ("TCP", 443), ("TCP", 6443), ("TCP", 9478), ("UDP", 53)]
+    to_pods = [rule for rule in policy["egress"] if any("podSelector" in peer for peer in rule.get("to", []))]
+    assert [[p["port"] for p in rule["ports"]] for rule in to_pods] == [[53, 53], [9478]]
 
 
 def test_a_fleet_file_without_an_image_is_refused_where_it_says_so(

@@ -140,10 +140,14 @@ def _member(fleet: LoadedFleet, host: Host) -> Table:
 
 def ready_url(host: Host, document: Any) -> str:
     """The host's /ready: its exporter, on the host's address (the fleet sets prometheus.host to it)."""
+    return f"http://{host_port(host.address, exporter_port(document))}/ready"
+
+
+def exporter_port(document: Any) -> int:
+    """prometheus.port of a spec document (merged overrides and all), its default if unset."""
     port = document.get("prometheus", {}).get("port", Prometheus().port)
     # A port of the wrong type is reported when that host's own spec is checked; here any number will do.
-    port = port if isinstance(port, int) and not isinstance(port, bool) else Prometheus().port
-    return f"http://{host_port(host.address, port)}/ready"
+    return port if isinstance(port, int) and not isinstance(port, bool) else Prometheus().port
 
 
 def merged(fleet: LoadedFleet, host: Host) -> Any:

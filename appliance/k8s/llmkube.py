@@ -61,7 +61,7 @@ def llmkube_objects(fleet: Fleet, members: list[ApplianceSet]) -> list[Manifest]
         found += _models(fleet, member)
         found += [
             _inference_service(fleet, member),
-            appliance_policy(fleet, member),
+            appliance_policy(fleet, member, members),
             _pod_monitor(fleet, member),
             meta(fleet, "PrometheusRule", MONITORING_API, member.name, labels(fleet, APPLIANCE, member.name))
             | {"spec": rule_groups(render(member.appliance)[RULES_FILE])},

@@ -4,8 +4,9 @@ overrides come out the same share one, a pod each), named after the first of the
 Each set's spec is derived as `fleet render` derives a host's (fleet/hosts.py: the same merge of overrides, the
 same labels and drain), then what a pod differs in: both listeners on every address of the pod (its IP is not
 known before it runs; the NetworkPolicy says who may connect), and turns = "eviction": Kubernetes settles whose
-turn it is to restart through the PodDisruptionBudget, so the spec names no peers and keeps no min_ready of its
-own. It is validated as `fleet render` validates a host's, except the key files, which come from a Secret.
+turn it is to restart through the PodDisruptionBudget, so the spec keeps no min_ready of its own. Its peers are
+every pod of the fleet, by its stable DNS name (this pod's own entry skipped at run time): the fleet-wide decay
+hold reads their /ready. It is validated as `fleet render` validates a host's, except the key files, which come from a Secret.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ import tomlkit
 
 from appliance import __version__
 from appliance.facts.machine import MachineFacts
-from appliance.fleet.hosts import drain_seconds, merged, schedule, settle_seconds, table_of, where_written
+from appliance.fleet.hosts import (
+    drain_seconds,
+    exporter_port,
+    merged,
+    schedule,
+    settle_seconds,
+    table_of,
+    where_written,
+)
 from appliance.fleet.load import LoadedFleet
 from appliance.fleet.model import Host, Kubernetes
 from appliance.plan.resolved import Appliance, resolve
@@ -91,10 +100,11 @@ def appliance_sets(fleet: LoadedFleet, facts: MachineFacts | None = None) -> tup
         groups.setdefault(key, []).append(host)
     found: list[Problem] = []
     done: list[ApplianceSet] = []
+    peers = _pods_ready(fleet, [hosts for hosts in groups.values()])
     for index, hosts in enumerate(groups.values()):
         first = hosts[0]
         source = fleet.spec_of(first)
-        text = _derived(fleet, first, index)
+        text = _derived(fleet, first, index, peers)
         try:
             validated = validate_loaded(parse_spec(text, source), facts, key_files=False)
         except SpecInvalid as exc:
@@ -110,7 +120,18 @@ def appliance_sets(fleet: LoadedFleet, facts: MachineFacts | None = None) -> tup
     return done, found
 
 
-def _derived(fleet: LoadedFleet, host: Host, index: int) -> str:
+def _pods_ready(fleet: LoadedFleet, groups: list[list[Host]]) -> dict[str, str]:
+    """Every pod's /ready by pod name: NAME-i.NAME (its StatefulSet's headless Service) in the namespace."""
+    table = kubernetes_of(fleet)
+    domain = f"{table.namespace}.svc.{table.cluster_domain}"
+    return {
+        f"{hosts[0].name}-{i}": f"http://{hosts[0].name}-{i}.{hosts[0].name}.{domain}:{exporter_port(merged(fleet, hosts[0]))}/ready"
+        for hosts in groups
+        for i in range(len(hosts))
+    }
+
+
+def _derived(fleet: LoadedFleet, host: Host, index: int, peers: dict[str, str]) -> str:
     f = fleet.fleet
     document: Any = merged(fleet, host)
     table_of(document, "server")["host"] = EVERY_ADDRESS
@@ -124,6 +145,7 @@ def _derived(fleet: LoadedFleet, host: Host, index: int) -> str:
     member.comment("written by `llm-appliance k8s render`: the PodDisruptionBudget holds the fleet's min_ready")
     member["host"] = host.name
     member["peers"] = tomlkit.inline_table()
+    member["peers"].update(peers)
     member["min_ready"] = 0
     member["drain_seconds"] = drain_seconds(f.balancer)
     member["settle_seconds"] = settle_seconds(f.balancer)

@@ -28,23 +28,28 @@ def disruption_budget(fleet: Fleet) -> Manifest:
     }
 
 
-def appliance_policy(fleet: Fleet, member: ApplianceSet) -> Manifest:
-    """Who may reach the pods: the balancer, Prometheus, and the spec's network.allow (loopback aside: inside
-    the pod it is never filtered); with network.egress = "deny", what they may reach: DNS and, for the
-    daemon's Eviction, the API server."""
+def appliance_policy(fleet: Fleet, member: ApplianceSet, members: list[ApplianceSet]) -> Manifest:
+    """Who may reach the pods: the balancer, Prometheus, the fleet's other pods (their daemons read /ready for the
+    fleet-wide decay hold), and the spec's network.allow (loopback aside: inside the pod it is never filtered);
+    with network.egress = "deny", what they may reach: DNS, the other pods' /ready and, for the daemon's
+    Eviction, the API server."""
     a = member.appliance
     ports = [{"protocol": "TCP", "port": port} for port in (a.server.port, a.exporter.port)]
     allowed = [cidr for cidr in (*a.allow_v4, *a.allow_v6) if not is_loopback(cidr.split("/")[0])]
+    appliances = {"podSelector": {"matchLabels": component(fleet, APPLIANCE)}}
+    exporters = sorted({m.appliance.exporter.port for m in members})
     ingress: list[Manifest] = [
         {"from": [{"podSelector": {"matchLabels": component(fleet, BALANCER)}}], "ports": ports},
         {"from": [_monitoring(fleet)], "ports": ports},
+        {"from": [appliances], "ports": [{"protocol": "TCP", "port": a.exporter.port}]},
     ]
     if allowed:
         ingress.append({"from": [{"ipBlock": {"cidr": cidr}} for cidr in allowed], "ports": ports})
     spec: Manifest = {"podSelector": {"matchLabels": instance(member)}, "policyTypes": ["Ingress"], "ingress": ingress}
     if a.egress_deny:
         spec["policyTypes"] = ["Ingress", "Egress"]
-        spec["egress"] = [_dns(), _api_server(fleet)]
+        to_peers = {"to": [appliances], "ports": [{"protocol": "TCP", "port": port} for port in exporters]}
+        spec["egress"] = [_dns(), to_peers, _api_server(fleet)]
     return meta(fleet, "NetworkPolicy", "networking.k8s.io/v1", member.name, labels(fleet, APPLIANCE, member.name)) | {
         "spec": spec
     }

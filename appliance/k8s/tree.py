@@ -52,7 +52,7 @@ def plain_objects(fleet: LoadedFleet, members: list[ApplianceSet]) -> list[Manif
     header = header_of(fleet, "plain")
     found: list[Manifest] = [_namespace(fleet)]
     for member in members:
-        found += [*workload(f, member), appliance_policy(f, member)]
+        found += [*workload(f, member), appliance_policy(f, member, members)]
     found += [disruption_budget(f), *balancer(f, members, header), balancer_policy(f, members)]
     return found + monitoring(f, members, header)
 
