@@ -2,8 +2,9 @@
 the restart itself, through the budget and cooldown (RestartPolicy), this host's turn in the fleet (the
 min_ready guard, restart_turn; or, with [fleet] turns = "eviction", the cluster's answer to the eviction of this
 pod, health/eviction.py), and the drain (Drain). A drain asked for (`llm-appliance drain`, a pod's preStop) or a
-granted eviction ends it all: the host drains for good and restarts nothing, since it is going away. It owns the state between checks: draining, the claim,
-the adopted request, what it last said; `step` moves it once per check and returns what to do now.
+granted eviction ends it all: the host drains for good and restarts nothing, since it is going away. It owns the
+state between checks: draining, the claim, the adopted request, what it last said; `step` moves it once per
+check and returns what to do now.
 
 The restart is the daemon's to carry out (it touches the server, the watch and the probe); `restarted` tells
 the turn it happened. Readiness follows from the turn's state (`ready_reason`).
