@@ -1,5 +1,6 @@
-"""The pod as the StatefulSet runs it (issue 28), for real on loopback: the container's exact command
-(`llm-appliance up SPEC --state-dir DIR`) on the demo spec with the [fleet] table `k8s render` writes, as the
+"""The pod as the StatefulSet runs it (issue 28), for real on loopback: the container's exact command, as
+`k8s render` writes it for the example fleet (`llm-appliance up SPEC --state-dir DIR`; here on this machine's
+ports, state directory and python), on the demo spec with the [fleet] table `k8s render` writes, as the
 pod's user (its securityContext runs the service user, so `up` becomes no one), reaching /ready 200; the preStop
 (`llm-appliance drain --state-dir DIR --timeout N`) under streaming load with no failed request; SIGTERM, what the
 kubelet sends next, and a clean exit. And the cluster's restart turn end to end: the daemon evicts its own pod
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import EXAMPLES, INSTALLED_MODELS
 from fake_eviction_api import REFUSED, FakeEvictionApi
 from test_health_daemon import lines_with, wait_ready, wait_until
@@ -39,8 +41,6 @@ if os.geteuid() != 0 or SERVICE is None:
 
 NAMESPACE, POD = "llm", "llm-0"
 DRAIN_SECONDS = 2
-# The preStop's timeout: the rendered terminationGracePeriodSeconds leaves it this much, and more than enough here.
-DRAIN_TIMEOUT = 120
 # Long answers (ignore_eos), two at a time against the demo's one slot: one generating, one queued.
 TOKENS = 160
 WORKERS = 2
@@ -53,6 +53,42 @@ drain_seconds = {DRAIN_SECONDS}
 """
 
 
+@dataclass(frozen=True)
+class RenderedPod:
+    """The container's command and its preStop, as `k8s render` writes them into the example's StatefulSet."""
+
+    command: list[str]
+    pre_stop: list[str]
+
+    def here(self, argv: list[str], spec: Path, state_dir: Path) -> list[str]:
+        """`argv` run here: this checkout's CLI for the image's, the test's spec and state directory for the pod's
+        paths; every other word as rendered."""
+        spec_in_pod, state_in_pod = self.command[2], self.command[4]
+        words = [str(spec) if w == spec_in_pod else str(state_dir) if w == state_in_pod else w for w in argv[1:]]
+        return as_pod_user(*words)
+
+
+@pytest.fixture(scope="module")
+def rendered_pod(tmp_path_factory: pytest.TempPathFactory) -> RenderedPod:
+    out = tmp_path_factory.mktemp("k8s")
+    render = subprocess.run(
+        [sys.executable, "-m", "appliance.cli.main", "k8s", "render", str(EXAMPLES / "fleet.toml"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert render.returncode == 0, render.stderr
+    statefulset = yaml.safe_load((out / "plain" / "statefulset-demo-1.yaml").read_text())
+    container = statefulset["spec"]["template"]["spec"]["containers"][0]
+    rendered = RenderedPod(container["command"], container["lifecycle"]["preStop"]["exec"]["command"])
+    # The shapes this test runs: the appliance itself, and its drain with a timeout.
+    assert rendered.command[1:] == ["up", "/etc/llm-appliance/demo.toml", "--state-dir", rendered.command[4]]
+    assert rendered.pre_stop[:4] == [rendered.command[0], "drain", "--state-dir", rendered.command[4]]
+    assert rendered.pre_stop[4] == "--timeout" and int(rendered.pre_stop[5]) > DRAIN_SECONDS
+    return rendered
+
+
 @dataclass
 class Pod:
     process: subprocess.Popen[str]
@@ -61,6 +97,8 @@ class Pod:
     server: str
     ready: str
     env: dict[str, str]
+    pre_stop: list[str]  # the rendered preStop, run here
+    pre_stop_timeout: float
 
     def run(self, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
         """Another command in the pod's container (a preStop hook, an admin's exec), as its user."""
@@ -84,7 +122,7 @@ def fake_api() -> Iterator[FakeEvictionApi]:
 
 
 @pytest.fixture
-def pod(smollm2: Path, fake_api: FakeEvictionApi) -> Iterator[Pod]:
+def pod(smollm2: Path, fake_api: FakeEvictionApi, rendered_pod: RenderedPod) -> Iterator[Pod]:
     assert SERVICE is not None
     directory = reachable_directory()  # what the pod's user can read: the spec, the model, the token
     model = smollm2
@@ -111,7 +149,7 @@ def pod(smollm2: Path, fake_api: FakeEvictionApi) -> Iterator[Pod]:
         "LLM_APPLIANCE_KUBE_TOKEN_FILE": str(token),
     }
     process = subprocess.Popen(
-        as_pod_user("up", spec, "--state-dir", state_dir),
+        rendered_pod.here(rendered_pod.command, spec, state_dir),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -120,7 +158,14 @@ def pod(smollm2: Path, fake_api: FakeEvictionApi) -> Iterator[Pod]:
     output: list[str] = []
     threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
     running = Pod(
-        process, output, state_dir, f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{exporter_port}/ready", env
+        process,
+        output,
+        state_dir,
+        f"http://127.0.0.1:{server_port}",
+        f"http://127.0.0.1:{exporter_port}/ready",
+        env,
+        rendered_pod.here(rendered_pod.pre_stop, spec, state_dir),
+        float(rendered_pod.pre_stop[5]),
     )
     try:
         wait_ready(process, output, 1)
@@ -205,8 +250,9 @@ def test_the_prestop_drain_under_load_fails_no_request_then_sigterm_stops_the_po
     watch = ReadyWatch(pod.ready)
     watcher = watch.run()
     drain_started = time.monotonic()
-    drain = pod.run(
-        "drain", "--state-dir", str(pod.state_dir), "--timeout", str(DRAIN_TIMEOUT), timeout=DRAIN_TIMEOUT + 30
+    # The preStop exactly as rendered (its timeout the balancer's drain and the idle timeout of the example).
+    drain = subprocess.run(
+        pod.pre_stop, env=pod.env, capture_output=True, text=True, timeout=pod.pre_stop_timeout + 30, check=False
     )
     drained_at = time.monotonic()
     watch.stop.set()
