@@ -134,6 +134,16 @@ def _snapshot_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--snapshot", type=Path, default=SNAPSHOT, help="the applied appliance (default %(default)s)")
 
 
+def _running_daemon_options(p: argparse.ArgumentParser) -> None:
+    """Which running health daemon a command hands its request to: the applied one, or the `up` of a directory."""
+    _snapshot_option(p)
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        help="the running daemon's state directory (`up --state-dir`); default: the applied snapshot's",
+    )
+
+
 def _unit_commands(command: Command) -> None:
     """What the units run, each from the applied snapshot; and `up`, all of them without systemd."""
     p = command("launch", cmd_launch, "run llama-server for systemd: READY once loaded, WATCHDOG while healthy")
@@ -180,12 +190,7 @@ def _unit_commands(command: Command) -> None:
         "have the health daemon restart llama-server its way: its turn in the fleet, drained, when idle "
         f"(what the timer runs; as {paths.SERVICE_USER}, like it; under systemd or `up`)",
     )
-    _snapshot_option(p)
-    p.add_argument(
-        "--state-dir",
-        type=Path,
-        help="the running daemon's state directory (`up --state-dir`); default: the applied snapshot's",
-    )
+    _running_daemon_options(p)
     p.add_argument(
         "--when-idle",
         action="store_true",
@@ -199,12 +204,7 @@ def _unit_commands(command: Command) -> None:
         "have the health daemon stop taking requests for good (/ready 503 draining) and wait until none is in "
         "flight (a pod's preStop; under systemd or `up`)",
     )
-    _snapshot_option(p)
-    p.add_argument(
-        "--state-dir",
-        type=Path,
-        help="the running daemon's state directory (`up --state-dir`); default: the applied snapshot's",
-    )
+    _running_daemon_options(p)
     p.add_argument(
         "--timeout",
         type=float,
