@@ -105,7 +105,7 @@ def _files(spec_path: Path) -> dict[str, str]:
     return files
 
 
-def _checked(files: dict[str, str]) -> dict[str, str]:
+def checked_files(files: dict[str, str]) -> dict[str, str]:
     """`files` once their checkers accept them (RenderRejected otherwise); skipped checkers are said on stderr."""
     require_accepted(files, lambda note: print(f"check: {note}", file=sys.stderr))
     return files
@@ -117,14 +117,14 @@ def cmd_render(args: argparse.Namespace) -> int:
         for relative, text in files.items():
             print(f"---{relative}---\n{text}", end="" if text.endswith("\n") else "\n")
         return EXIT_OK
-    found = changes(_checked(files), args.out)
+    found = changes(checked_files(files), args.out)
     write(found, args.out)
     print(f"rendered {len(files)} files into {args.out} ({len(found)} changed)")
     return EXIT_OK
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    found = changes(_checked(_files(args.spec)), args.root)
+    found = changes(checked_files(_files(args.spec)), args.root)
     if args.diff:
         for change in found:
             print(change.diff(), end="")
@@ -140,64 +140,6 @@ def cmd_apply(args: argparse.Namespace) -> int:
         for done in reload_system(found):
             print(f"ran {done}")
     print(f"{len(found)} file{'s' if len(found) != 1 else ''} changed under {args.root}")
-    return EXIT_OK
-
-
-def cmd_fleet_validate(args: argparse.Namespace) -> int:
-    from appliance.fleet.load import load_fleet
-
-    fleet = load_fleet(args.fleet).fleet
-    print(f"{args.fleet}: valid ({len(fleet.hosts)} hosts; their specs are checked by `fleet render`)")
-    return EXIT_OK
-
-
-def cmd_fleet_render(args: argparse.Namespace) -> int:
-    """Every host's tree, haproxy.cfg and Prometheus' files, checked, then written by the one writer."""
-    from appliance.fleet.fleet_render import hosts, render_fleet
-    from appliance.fleet.load import load_fleet
-
-    fleet = load_fleet(args.fleet)
-    members, warnings = hosts(fleet)
-    if warnings:
-        print(format_problems(warnings), file=sys.stderr)
-    files = render_fleet(fleet, members)
-    for member in members:  # each host's tree as its own `apply` would check it
-        tree = f"hosts/{member.name}/"
-        _checked({path.removeprefix(tree): text for path, text in files.items() if path.startswith(tree)})
-    found = changes(files, args.out)
-    write(found, args.out)
-    print(f"rendered {len(files)} files for {len(members)} hosts into {args.out} ({len(found)} changed)")
-    return EXIT_OK
-
-
-def cmd_k8s_render(args: argparse.Namespace) -> int:
-    """The fleet as kustomize trees (DIR/plain, DIR/llmkube; or the one flavour asked for, into DIR), written by
-    the one writer once every tree rendered."""
-    from appliance.fleet.load import load_fleet
-    from appliance.k8s.llmkube import losses_text
-    from appliance.k8s.members import appliance_sets, kubernetes_of
-    from appliance.k8s.tree import FLAVORS, render_tree
-
-    fleet = load_fleet(args.fleet)
-    kubernetes_of(fleet)
-    members, warnings = appliance_sets(fleet)
-    if warnings:
-        print(format_problems(warnings), file=sys.stderr)
-    flavors = [args.flavor] if args.flavor else list(FLAVORS)
-    files = {
-        (path if args.flavor else f"{flavor}/{path}"): text
-        for flavor in flavors
-        for path, text in render_tree(fleet, members, flavor).items()
-    }
-    found = changes(files, args.out)
-    write(found, args.out)
-    pods = sum(member.replicas for member in members)
-    print(
-        f"rendered {len(files)} files ({', '.join(flavors)}) for {len(members)} StatefulSets, {pods} pods, into "
-        f"{args.out} ({len(found)} changed)"
-    )
-    if "llmkube" in flavors:
-        print(losses_text(), end="", file=sys.stderr)
     return EXIT_OK
 
 

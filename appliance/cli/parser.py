@@ -15,12 +15,9 @@ from appliance.cli.commands import (
     cmd_engine_info,
     cmd_engine_install,
     cmd_explain,
-    cmd_fleet_render,
-    cmd_fleet_validate,
     cmd_health,
     cmd_hold_driver,
     cmd_install,
-    cmd_k8s_render,
     cmd_launch,
     cmd_models_fetch,
     cmd_render,
@@ -34,6 +31,7 @@ from appliance.cli.commands import (
     cmd_up,
     cmd_validate,
 )
+from appliance.cli.fleet_commands import cmd_fleet_render, cmd_fleet_validate, cmd_k8s_render
 from appliance.plan.resolved import SNAPSHOT
 from appliance.system import paths
 
