@@ -128,6 +128,12 @@ class NoNvml:
     def gpus(self) -> list[object]:
         raise NvmlUnavailable("NVML: NVML Shared Library Not Found")
 
+    def driver_version(self) -> str:
+        raise NvmlUnavailable("NVML: NVML Shared Library Not Found")
+
+    def cuda_version(self) -> str:
+        raise NvmlUnavailable("NVML: NVML Shared Library Not Found")
+
 
 def test_gpu_spec_without_memory_is_refused_without_nvml(
     cli: Run, example: Callable[..., Path], monkeypatch: pytest.MonkeyPatch

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from appliance.facts.dialect import builtin_dialect, read_binary_dialect
 from appliance.facts.engine_manifest import Manifest
+from appliance.facts.engine_record import EngineRecord, engine_lines, record_file, stale_reason
 from appliance.ops import engine_build, models
 from appliance.plan.budget import GIB, lines
 from appliance.plan.explain import plan_json, speculation_lines
@@ -65,6 +66,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             f"draft:  {plan.draft.path} ({plan.draft.architecture}, {plan.draft.file_type}, {plan.draft.block_count} layers)"
         )
     print(f"dialect: {result.facts.dialect.source}")
+    print("\n".join(engine_lines(result.facts.engine, result.facts.engine_stale)))
     print(f"model name in the API (clients send it as `model`): {plan.alias}")
     print("\n".join(speculation_lines(plan)))
     print("\nllama-server argv:")
@@ -99,6 +101,17 @@ def _appliance(spec_path: Path, state_dir: Path = paths.STATE) -> Appliance:
     return resolve(_validated(spec_path).plan, installed_spec_path(spec_path), state_dir)
 
 
+def _proven(spec_path: Path) -> Validated:
+    """The spec validated once the engine it runs is proven on this machine (apply, up, bench, tune): no
+    engine serves before its proof."""
+    from appliance.ops.engine_proof import proven_validated
+
+    result = proven_validated(spec_path, say_engine)
+    if result.warnings:
+        print(format_problems(result.warnings), file=sys.stderr)
+    return result
+
+
 def _files(spec_path: Path) -> dict[str, str]:
     files = render(_appliance(spec_path))
     files[str(installed_spec_path(spec_path)).lstrip("/")] = spec_path.read_text()
@@ -124,6 +137,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
+    if args.root == Path("/") and not args.dry_run:
+        _proven(args.spec)  # the argv it renders carries the rung the proof chose
     found = changes(checked_files(_files(args.spec)), args.root)
     if args.diff:
         for change in found:
@@ -165,12 +180,34 @@ def cmd_engine_install(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def say_engine(line: str) -> None:
+    print(f"engine: {line}", file=sys.stderr, flush=True)
+
+
+def cmd_engine_prove(args: argparse.Namespace) -> int:
+    from appliance.ops.engine_proof import applied_validated, ensure_proven, reapply_rung
+
+    if args.snapshot is None:
+        record, _ = ensure_proven(validate(args.spec), say_engine, force=not args.if_needed)
+    else:
+        applied = Appliance.read(args.snapshot)
+        record, _ = ensure_proven(applied_validated(applied), say_engine, force=not args.if_needed)
+        # A proof that chose another rung: the applied argv takes its flags, the rest of the snapshot as it was.
+        for change in reapply_rung(applied, record):
+            say_engine(f"{change.kind}d /{change.path}: the applied argv takes rung {record.rung}'s flags")
+    print("\n".join(engine_lines(record)))
+    return EXIT_OK
+
+
 def cmd_engine_info(args: argparse.Namespace) -> int:
     manifest = Manifest.read(args.dest)
     if manifest is None:
         print(f"no engine manifest in {args.dest}; run `llm-appliance engine install`", file=sys.stderr)
         return EXIT_ENGINE
     print(json.dumps(manifest.__dict__, indent=2, sort_keys=True))
+    binary = Path(manifest.binary)
+    record = EngineRecord.read(record_file(binary, args.dest))
+    print("\n".join(engine_lines(record, stale_reason(binary, record, manifest))))
     try:
         dialect = read_binary_dialect(Path(manifest.binary))
     except (OSError, CommandFailed) as exc:
@@ -234,7 +271,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     """What the units do, in the foreground, for machines where systemd is not PID 1."""
     from appliance.health.service import up
 
-    appliance = _appliance(args.spec, args.state_dir or paths.STATE)
+    validated = _proven(args.spec)
+    appliance = resolve(validated.plan, installed_spec_path(args.spec), args.state_dir or paths.STATE)
     print(
         f"llm-appliance up: serving {args.spec} at {appliance.server.url} in the foreground; Ctrl-C stops it",
         file=sys.stderr,
@@ -319,7 +357,7 @@ def _baseline_path(args: argparse.Namespace, result: Validated) -> Path | None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from appliance.measure.bench import main_bench
 
-    result = _validated(args.spec)
+    result = _proven(args.spec)
     return main_bench(
         args.spec,
         result,
@@ -337,7 +375,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from appliance.measure.tune import main_tune
 
-    result = _validated(args.spec)
+    result = _proven(args.spec)
     return main_tune(
         args.spec,
         result,

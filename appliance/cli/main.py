@@ -15,6 +15,7 @@ from appliance.health.privileges import PrivilegeError
 from appliance.health.router import RouterError
 from appliance.measure.config import BenchError, BenchUsage
 from appliance.ops import engine_build, models
+from appliance.ops.engine_proof import EngineUnproven
 from appliance.ops.layout import LayoutError
 from appliance.plan.resolved import SnapshotError
 from appliance.render.apply import ApplyError
@@ -27,7 +28,7 @@ EXIT_CODES: tuple[tuple[tuple[type[Exception], ...], int], ...] = (
     ((SnapshotError, RenderRejected), EXIT_INVALID),
     ((BenchUsage, PrivilegeError), EXIT_USAGE),  # BenchUsage before BenchError, which it is
     ((ApplyError, ExporterUnavailable, CommandFailed, BenchError, LayoutError, RouterError), EXIT_APPLY),
-    ((engine_build.EngineError, models.ModelFetchError), EXIT_ENGINE),
+    ((engine_build.EngineError, EngineUnproven, models.ModelFetchError), EXIT_ENGINE),
 )
 FAILURES = tuple(kind for kinds, _ in EXIT_CODES for kind in kinds)
 

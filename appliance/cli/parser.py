@@ -14,6 +14,7 @@ from appliance.cli.commands import (
     cmd_drain,
     cmd_engine_info,
     cmd_engine_install,
+    cmd_engine_prove,
     cmd_explain,
     cmd_health,
     cmd_hold_driver,
@@ -237,9 +238,23 @@ def _machine_commands(command: Command, sub: argparse._SubParsersAction[argparse
     p.add_argument("--binary", help="use this llama-server instead of building one")
     p.add_argument("--spec", type=Path, help="use the spec's server.binary when it names one")
     p.add_argument("--jobs", type=int, help="parallel build jobs (default: all cores)")
-    p = engine_parser.add_parser("info", help="print the engine manifest and the flag dialect of its binary")
+    p = engine_parser.add_parser(
+        "info", help="print the engine manifest, its proof on this machine and its flag dialect"
+    )
     p.set_defaults(handler=cmd_engine_info)
     p.add_argument("--dest", type=Path, default=paths.ENGINE_DIR)
+    p = engine_parser.add_parser(
+        "prove",
+        help="run the spec's llama-server on a loopback port of its own and decode a greedy prompt; when it fails, "
+        "find the fastest rung that works (--no-repack, a build without AMX, a portable build) and record it",
+    )
+    p.set_defaults(handler=cmd_engine_prove)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("spec", type=Path, nargs="?", help="the spec whose command line is proven")
+    where.add_argument("--snapshot", type=Path, help="the applied appliance (the server unit's ExecStartPre)")
+    p.add_argument(
+        "--if-needed", action="store_true", help="only when the engine's fingerprint changed since its proof"
+    )
     models_parser = sub.add_parser("models", help="small real models for the demo and tests").add_subparsers(
         dest="models_command", required=True, metavar="ACTION"
     )

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.facts.dialect import Dialect, builtin_dialect, read_binary_dialect
+from appliance.facts.engine_manifest import Manifest
+from appliance.facts.engine_record import EngineRecord, record_file, stale_reason
 from appliance.facts.gpu import GpuMemory, Nvml, NvmlUnavailable, Pynvml
 from appliance.facts.meminfo import MEMINFO, HostMemory, MeminfoError, read_meminfo
 from appliance.spec.base import DEFAULT_BINARY
@@ -30,6 +32,8 @@ class MachineFacts:
     host_memory: HostMemory | None = None  # the machine's RAM; None when it cannot be read
     host_memory_error: str | None = None  # why it cannot
     router_missing: str | None = None  # [fallback]: what the router needs and this machine lacks
+    engine: EngineRecord | None = None  # the proof of `binary` on this machine, and the rung it serves from
+    engine_stale: str | None = None  # why `binary` must be proven (again) before it serves; None: it is proven
 
     def gpu(self, device: str) -> GpuMemory | None:
         return next((g for g in self.gpus if g.device == device), None)
@@ -84,4 +88,17 @@ def gather(spec: Spec, nvml: Nvml | None = None, meminfo: Path = MEMINFO) -> Mac
     except MeminfoError as exc:
         host_memory_error = str(exc)
     router = router_missing() if spec.fallback is not None else None
-    return MachineFacts(gpus, nvml_error, binary, dialect, note, host_memory, host_memory_error, router)
+    engine, engine_stale = proof_of(binary, spec.engine.rung, nvml) if binary else (None, None)
+    return MachineFacts(
+        gpus, nvml_error, binary, dialect, note, host_memory, host_memory_error, router, engine, engine_stale
+    )
+
+
+def proof_of(
+    binary: Path, pin: str, nvml: Nvml, engine_dir: Path = paths.ENGINE_DIR
+) -> tuple[EngineRecord | None, str | None]:
+    """The engine record of `binary` (its rung's flags go into the argv), and why it must be proven first."""
+    record = EngineRecord.read(record_file(binary, engine_dir))
+    manifest = Manifest.read(engine_dir)
+    manifest = manifest if manifest is not None and Path(manifest.binary) == binary else None
+    return record, stale_reason(binary, record, manifest, pin, nvml)

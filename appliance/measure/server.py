@@ -17,7 +17,8 @@ from appliance.measure.config import BenchError, Config, configured
 from appliance.plan.plan import plan
 from appliance.plan.validate import Validated
 from appliance.runtime.server_api import ServerApi, read_api_key
-from appliance.runtime.server_process import die_with_parent, failure_line, stop, wait_until_ready
+from appliance.runtime.server_death import describe_exit, engine_facts, llama_error
+from appliance.runtime.server_process import die_with_parent, stop, wait_until_ready
 from appliance.spec.problems import Severity
 from appliance.system.run import DEVNULL, STDOUT, Popen, spawn
 
@@ -58,8 +59,14 @@ class ServerLog:
         self.file.flush()
         return Path(self.file.name).read_text(errors="replace")
 
-    def tail(self) -> str:
-        return failure_line(self.text().splitlines())
+    def death(self, process: Popen[str]) -> str:
+        """Why the server did not start: how it ended (runtime/server_death.py), else its first error line."""
+        lines = self.text().splitlines()
+        code = process.poll()
+        if code is None:
+            return llama_error(lines) or (lines[-1] if lines else "no output")
+        sets, cpu = engine_facts(Path(str(process.args[0])))  # type: ignore[index]
+        return f"it {describe_exit(code, lines, sets, cpu)}"
 
     def close(self) -> None:
         self.file.close()
@@ -102,7 +109,8 @@ class TempServer:
                 return
             if "bind" not in self.log.text().lower():
                 break
-        raise BenchError(f"llama-server for {self.config.label()} did not start: {self.log.tail()}")
+        assert self.process is not None
+        raise BenchError(f"llama-server for {self.config.label()} did not start: {self.log.death(self.process)}")
 
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None

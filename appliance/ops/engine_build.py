@@ -8,6 +8,7 @@ Builds are cached under the cache directory by source and options; a second inst
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -18,7 +19,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from appliance.facts.cpu import AMX, INSTRUCTION_SETS, PORTABLE, Cpu, read_cpu
 from appliance.facts.engine_manifest import Manifest
+from appliance.facts.engine_record import RECORD, RUNG_BUILD, EngineRecord, fingerprint_of
 from appliance.system import paths
 from appliance.system.files import write_atomically
 from appliance.system.run import CommandFailed, run, stream
@@ -63,12 +66,15 @@ def backend() -> str:
     return "cuda" if toolkit and (toolkit / "include" / "cublas_v2.h").exists() else "cpu"
 
 
-def build_options(kind: str) -> list[str]:
+def build_options(kind: str, variant: str = "native", cpu: Cpu | None = None) -> list[str]:
+    """CMake's options for a build: `variant` is the ladder's (facts/engine_record.py RUNG_BUILD): "native"
+    compiles for this machine's CPU (`-march=native`), "no-amx" for its instruction sets less AMX, "portable"
+    for any x86-64-v2 CPU. The last two name every instruction set, so what is compiled in is what is listed."""
     options = [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DBUILD_SHARED_LIBS=ON",
         "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",  # the binary finds its libraries wherever it is copied
-        "-DGGML_NATIVE=ON",
+        "-DGGML_NATIVE=ON" if variant == "native" else "-DGGML_NATIVE=OFF",
         "-DLLAMA_BUILD_SERVER=ON",
         "-DLLAMA_BUILD_TOOLS=ON",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -80,13 +86,25 @@ def build_options(kind: str) -> list[str]:
         "-DLLAMA_BUILD_NUMBER=1",
         f"-DLLAMA_BUILD_COMMIT={PINNED.llama_cpp_commit}",
     ]
+    if variant != "native":
+        chosen = variant_instruction_sets(variant, cpu or read_cpu())
+        options += [f"-D{s.option}={'ON' if s.option in chosen else 'OFF'}" for s in INSTRUCTION_SETS]
     if kind == "cuda":
         options += ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native"]
     return options
 
 
-def options_key(kind: str) -> str:
-    return hashlib.sha256("\n".join(build_options(kind)).encode()).hexdigest()[:12]
+def variant_instruction_sets(variant: str, cpu: Cpu) -> tuple[str, ...]:
+    """The x86 instruction sets a build variant compiles in (native: all of this CPU's, as -march=native does)."""
+    if variant == "no-amx":
+        return tuple(option for option in cpu.instruction_sets if option not in AMX)
+    if variant == "portable":
+        return tuple(option for option in cpu.instruction_sets if option in PORTABLE)
+    return cpu.instruction_sets
+
+
+def options_key(kind: str, variant: str = "native", cpu: Cpu | None = None) -> str:
+    return hashlib.sha256("\n".join(build_options(kind, variant, cpu)).encode()).hexdigest()[:12]
 
 
 def log(message: str) -> None:
@@ -176,32 +194,32 @@ def safe_members(archive: tarfile.TarFile, into: Path) -> list[tarfile.TarInfo]:
     return members
 
 
-def build(cache: Path, kind: str, jobs: int | None = None) -> Path:
-    """Configure and build llama-server; returns the build's bin/ directory. Incremental when cached."""
+def build(cache: Path, kind: str, jobs: int | None = None, variant: str = "native") -> Path:
+    """Configure and build llama-server; returns the build's bin/ directory. Incremental when cached; each
+    variant has a build directory of its own, so the ladder's rebuilds cost one compile each, once."""
     source = fetch_source(cache)
-    build_dir = cache / "engine" / "build" / f"{PINNED.package}-{PINNED.version}-{kind}"
+    suffix = "" if variant == "native" else f"-{variant}"
+    build_dir = cache / "engine" / "build" / f"{PINNED.package}-{PINNED.version}-{kind}{suffix}"
+    options = build_options(kind, variant)
     if (not (build_dir / "build.ninja").exists() and not (build_dir / "Makefile").exists()) or _options_changed(
-        build_dir, kind
+        build_dir, options
     ):
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        log(f"configuring ({kind}) in {build_dir}")
-        _run(
-            ["cmake", "-S", str(source), "-B", str(build_dir), *generator, *build_options(kind)],
-            "configure llama.cpp (cmake)",
-        )
-        write_atomically(build_dir / "llm-appliance-options.txt", "\n".join(build_options(kind)) + "\n")
+        log(f"configuring ({kind}{', ' + variant if variant != 'native' else ''}) in {build_dir}")
+        _run(["cmake", "-S", str(source), "-B", str(build_dir), *generator, *options], "configure llama.cpp (cmake)")
+        write_atomically(build_dir / "llm-appliance-options.txt", "\n".join(options) + "\n")
     jobs = jobs or os.cpu_count() or 2
     log(f"building llama-server with {jobs} jobs (a first CPU build took 7 minutes on 2 cores here; CUDA takes longer)")
     _run_with_progress(["cmake", "--build", str(build_dir), "--target", "llama-server", "llama", "-j", str(jobs)])
     return build_dir / "bin"
 
 
-def _options_changed(build_dir: Path, kind: str) -> bool:
+def _options_changed(build_dir: Path, options: list[str]) -> bool:
     recorded = build_dir / "llm-appliance-options.txt"
-    return not recorded.is_file() or recorded.read_text().split() != build_options(kind)
+    return not recorded.is_file() or recorded.read_text().split() != options
 
 
-def install_built(bin_dir: Path, dest: Path, kind: str) -> Manifest:
+def install_built(bin_dir: Path, dest: Path, kind: str, variant: str = "native") -> Manifest:
     """Copy the binary and its libraries into dest atomically (staging dir + rename)."""
     staging = dest.with_name(dest.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
@@ -209,15 +227,21 @@ def install_built(bin_dir: Path, dest: Path, kind: str) -> Manifest:
     for item in sorted(bin_dir.iterdir()):
         if item.name == "llama-server" or (item.name.startswith("lib") and ".so" in item.name):
             shutil.copy2(item, staging / "bin" / item.name, follow_symlinks=False)
+    # The proof of the engine this replaces is not a proof of this one; the ladder's record survives a rebuild
+    # of its own rung only through `engine prove` (the fingerprint says the files changed).
+    if (dest / RECORD).is_file():
+        shutil.copy2(dest / RECORD, staging / RECORD)
     binary = paths.engine_binary(staging)
     manifest = Manifest(
         binary=str(paths.engine_binary(dest)),
         origin="built",
         version_line=version_line(binary),
-        source={**asdict(PINNED), "options_key": options_key(kind)},
+        source={**asdict(PINNED), "options_key": options_key(kind, variant)},
         backends=["CPU", "CUDA"] if kind == "cuda" else ["CPU"],
-        build_options=build_options(kind),
+        build_options=build_options(kind, variant),
         built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        build=variant,
+        instruction_sets=list(variant_instruction_sets(variant, read_cpu())),
     )
     manifest.write(staging)
     old = dest.with_name(dest.name + ".old")
@@ -230,11 +254,16 @@ def install_built(bin_dir: Path, dest: Path, kind: str) -> Manifest:
 
 
 def install(
-    dest: Path = paths.ENGINE_DIR, cache: Path = CACHE_DIR, binary: str | None = None, jobs: int | None = None
+    dest: Path = paths.ENGINE_DIR,
+    cache: Path = CACHE_DIR,
+    binary: str | None = None,
+    jobs: int | None = None,
+    variant: str | None = None,
 ) -> Manifest:
-    """`llm-appliance engine install`: the named binary, else one on PATH, else the pinned build."""
+    """`llm-appliance engine install`: the named binary, else one on PATH, else the pinned build (the variant
+    the engine's proof chose on this CPU, else native)."""
     try:
-        return _install(dest, cache, binary, jobs)
+        return _install(dest, cache, binary, jobs, variant)
     except OSError as exc:
         where = exc.filename or dest
         raise EngineError(
@@ -242,7 +271,7 @@ def install(
         ) from None
 
 
-def _install(dest: Path, cache: Path, binary: str | None, jobs: int | None) -> Manifest:
+def _install(dest: Path, cache: Path, binary: str | None, jobs: int | None, variant: str | None) -> Manifest:
     named = binary or os.environ.get("LLAMA_SERVER")
     origin = "user" if named else "path"
     found = Path(named) if named else (Path(p) if (p := shutil.which("llama-server")) else None)
@@ -258,19 +287,52 @@ def _install(dest: Path, cache: Path, binary: str | None, jobs: int | None) -> M
         return manifest
     kind = backend()
     current = Manifest.read(dest)
+    variant = variant or chosen_variant(dest, current)
     if (
         current
         and current.origin == "built"
         and current.source
-        and current.source.get("options_key") == options_key(kind)
+        and current.source.get("options_key") == options_key(kind, variant)
         and current.source.get("sha256") == PINNED.sha256
         and Path(current.binary).is_file()
     ):
-        log(f"{current.binary} is up to date ({current.version_line})")
+        if not current.build:  # a manifest from before the ladder: say which build and instruction sets it is
+            current = dataclasses.replace(
+                current, build=variant, instruction_sets=list(variant_instruction_sets(variant, read_cpu()))
+            )
+            current.write(dest)
+        log(f"{current.binary} is up to date ({current.version_line}, {variant} build)")
         return current
-    manifest = install_built(build(cache, kind, jobs), dest, kind)
-    log(f"installed {manifest.binary} ({manifest.version_line})")
+    manifest = install_built(build(cache, kind, jobs, variant), dest, kind, variant)
+    log(f"installed {manifest.binary} ({manifest.version_line}, {variant} build)")
     return manifest
+
+
+def chosen_variant(dest: Path, current: Manifest | None) -> str:
+    """The build the engine's proof settled on for this CPU, so that a reinstall keeps the ladder's choice;
+    native where nothing was proven, or the proof was on another CPU."""
+    record = EngineRecord.read(dest / RECORD)
+    if record is None or current is None or current.origin != "built":
+        return "native"
+    here = fingerprint_of(Path(current.binary), current.version_line, current.variant, read_cpu())
+    same_cpu = here.cpu_flags_digest == record.fingerprint.cpu_flags_digest
+    return RUNG_BUILD[record.rung] if same_cpu else "native"
+
+
+class EngineBuilds:
+    """The ladder's builds on this machine (ops/engine_proof.Builds): each variant built once into the cache,
+    proven from there, installed as the engine when it is kept."""
+
+    def __init__(self, dest: Path = paths.ENGINE_DIR, cache: Path = CACHE_DIR, jobs: int | None = None) -> None:
+        self.dest, self.cache, self.jobs, self.kind = dest, cache, jobs, backend()
+
+    def binary(self, variant: str) -> Path | None:
+        return build(self.cache, self.kind, self.jobs, variant) / "llama-server"
+
+    def install(self, variant: str) -> Manifest:
+        manifest = install_built(build(self.cache, self.kind, self.jobs, variant), self.dest, self.kind, variant)
+        log(f"installed the {variant} build as {manifest.binary}")
+        return manifest
 
 
 def _run(argv: list[str], step: str) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.ops import engine_build, layout, models
+from appliance.ops.engine_proof import ensure_proven
 from appliance.ops.router_env import ensure_router
 from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
@@ -80,6 +81,8 @@ def install(options: Options) -> Report:
         # Root's directory, root's files: the service user reads the models and can change none of them.
         models.fetch(options.under(paths.MODELS), (models.SMOLLM2,), log=True)
     copy_specs(options, report, who)
+    if options.live:
+        prove_engine(options)
     if options.live and load_spec(options.under(paths.ETC) / options.spec.name).spec.fallback is not None:
         ensure_router(report.did)
     applied = apply_spec(options, report)
@@ -88,6 +91,15 @@ def install(options: Options) -> Report:
     if not report.changed:
         log("nothing to change: the appliance is installed as specified")
     return report
+
+
+def prove_engine(options: Options) -> None:
+    """No engine serves before it is proven here: the installed spec's command line, as the service user. The
+    ladder's choice is said once, when a proof runs; a second install finds the record holding and says so."""
+    spec = options.under(paths.ETC) / options.spec.name
+    record, proved = ensure_proven(validate(spec), lambda line: log(f"engine: {line}"))
+    if not proved:
+        log(f"engine: proven on this machine ({record.rung}, {record.proven_at}); nothing to prove")
 
 
 def ensure_user(report: Report) -> Account:

@@ -20,11 +20,14 @@ from typing import Literal, cast
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.facts.engine_manifest import Manifest
+from appliance.facts.engine_record import EngineRecord, engine_lines, record_file, stale_reason
 from appliance.health.peers import Peer, read_peer
 from appliance.health.requests import ADOPTED, REQUEST
 from appliance.plan.resolved import Appliance
 from appliance.runtime.running import read_small, running_up
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
+from appliance.runtime.server_death import LAST_EXIT
 from appliance.system import metric_names as metric
 from appliance.system import paths
 from appliance.system.run import CommandFailed, run
@@ -73,6 +76,8 @@ class Status:
     # [fallback]: the router's answers by backend ("local", "fallback"), from its /metrics/; None without one,
     # {} when it does not answer.
     router_answers: dict[str, float] | None = None
+    engine: list[str] = field(default_factory=list)  # the engine's proof on this machine (facts/engine_record.py)
+    last_exit: str | None = None  # how llama-server last ended, as the launcher described it
     health: Health = "down"
     problems: list[str] = field(default_factory=list)
 
@@ -153,6 +158,9 @@ def gather(appliance: Appliance, spec_differences: list[str]) -> Status:
         for labels, value in answered:
             backend = labels.get("model_id", "?")
             seen.router_answers[backend] = seen.router_answers.get(backend, 0.0) + value
+    seen.engine = _engine(Path(appliance.argv[0]))
+    if seen.server != "ok":
+        seen.last_exit = _read_small(state / LAST_EXIT)
     seen.restarts = _restarts(appliance.state_file)[-LAST_RESTARTS:]
     for name, words in ((ADOPTED, "in progress"), (REQUEST, "not yet taken by the daemon")):
         asked = _read_small(state / name)
@@ -161,6 +169,15 @@ def gather(appliance: Appliance, spec_differences: list[str]) -> Status:
                 seen.asked = f"{json.loads(asked)['reason']} ({words})"
     seen.health, seen.problems = assess(seen)
     return seen
+
+
+def _engine(binary: Path) -> list[str]:
+    """The rung the engine serves from, its proof's figures and age; whether it still holds."""
+    manifest = Manifest.read(paths.ENGINE_DIR)
+    manifest = manifest if manifest is not None and Path(manifest.binary) == binary else None
+    record = EngineRecord.read(record_file(binary, paths.ENGINE_DIR))
+    lines = engine_lines(record, stale_reason(binary, record, manifest))
+    return [lines[0], *(line for line in lines[1:] if "NOT PROVEN" in line)]
 
 
 def systemd_is_init() -> bool:
@@ -180,6 +197,8 @@ def assess(seen: Status) -> tuple[Health, list[str]]:
         down.append(f"{server_unit.name} is {server_unit.state}")
     if seen.server != "ok":
         down.append(f"llama-server /health: {seen.server}")
+        if seen.last_exit:
+            down.append(f"llama-server last ended: it {seen.last_exit.strip()}")
     if seen.ready is None:
         degraded.append("the health daemon's exporter does not answer: nothing is watched")
     else:
@@ -240,6 +259,7 @@ def _screen(seen: Status) -> list[str]:
         else f"not ready: {seen.ready.reason}"
     )
     lines.append(f"server   /health {seen.server}; /ready {ready}")
+    lines += [f"engine   {line.removeprefix('engine ').strip()}" for line in seen.engine]
     versions = next(iter(labels for labels, _ in seen.metrics.get(metric.VERSION_INFO, [])), {})
     if versions:
         shown = ", ".join(

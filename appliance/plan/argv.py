@@ -36,14 +36,16 @@ LOG_VERBOSITY: dict[LogLevel, int] = {"error": 1, "warning": 2, "info": 3, "trac
 
 
 def build_argv(
-    spec: Spec, dialect: Dialect, binary: str, draft_in_use: bool, alias: str
+    spec: Spec, dialect: Dialect, binary: str, draft_in_use: bool, alias: str, engine_args: tuple[str, ...] = ()
 ) -> tuple[tuple[str, ...], list[Problem]]:
-    """The llama-server command line in the binary's own dialect, grouped: serving, model, draft. `alias` is
-    the model's name in the API, resolved by the plan (the spec's, else the target's own)."""
+    """The llama-server command line in the binary's own dialect, grouped: serving, model, draft, then the
+    flags of the engine's rung on this machine (`engine_args`, from its proof: never the user's to type).
+    `alias` is the model's name in the API, resolved by the plan (the spec's, else the target's own)."""
     argv = _Argv(binary, dialect)
     _serving_flags(argv, spec)
     _model_flags(argv, spec, alias)
     _speculative_flags(argv, spec, draft_in_use)
+    argv.args.extend(engine_args)
     problems = argv.problems + _extra_arg_problems(spec.server.extra_args, argv.args, dialect)
     return (*argv.args, *spec.server.extra_args), problems
 

@@ -108,7 +108,12 @@ def model_problems(spec: Spec, target: ModelInfo, draft: ModelInfo | None) -> li
 def plan(spec: Spec, facts: MachineFacts, target: ModelInfo, draft: ModelInfo | None) -> Plan:
     binary = str(facts.binary) if facts.binary else spec.server.binary
     argv, found = build_argv(
-        spec, facts.dialect, binary, draft is not None and draft_in_use(spec), served_name(spec, target)
+        spec,
+        facts.dialect,
+        binary,
+        draft is not None and draft_in_use(spec),
+        served_name(spec, target),
+        facts.engine.extra_args if facts.engine else (),
     )
     device_budgets, budget_problems, _ = budgets(spec, facts, target, draft)
     found += budget_problems

@@ -267,6 +267,8 @@ def _spec_document(spec: Spec) -> dict[str, Any]:
     for optional in ("fleet", "cost", "fallback"):
         if document.get(optional) is None:
             document.pop(optional, None)
+    if document.get("engine") == {"rung": "auto"}:  # the default: left out, as before a rung could be pinned
+        del document["engine"]
     # Nor, mostly, the n-gram types' sub-tables.
     for table in [
         name for name, value in document["speculative"].items() if name.startswith("ngram_") and value is None

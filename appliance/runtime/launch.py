@@ -8,6 +8,7 @@ child gracefully on SIGTERM, and checks that the draft model is really drafting.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import signal
@@ -22,7 +23,9 @@ from types import FrameType
 from appliance.plan.resolved import Appliance
 from appliance.runtime.notify import Notifier, watchdog_interval
 from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
-from appliance.runtime.server_process import die_with_parent, exit_described, failure_line, stop, wait_until_ready
+from appliance.runtime.server_death import LAST_EXIT, describe_exit, engine_facts
+from appliance.runtime.server_process import die_with_parent, exit_described, stop, wait_until_ready
+from appliance.system.files import write_atomically
 from appliance.system.run import DEVNULL, PIPE, STDOUT, Popen, spawn
 
 log = logging.getLogger("llm-appliance.launch")
@@ -50,6 +53,7 @@ class LaunchPlan:
     draft_in_use: bool  # a draft model is in use
     speculation: bool  # llama-server speculates: with the draft model, or n-gram types without one
     watchdog_seconds: int
+    state_dir: Path | None = None  # where the last exit's description is left for `status`
 
     @property
     def base_url(self) -> str:
@@ -64,6 +68,7 @@ class LaunchPlan:
             draft_in_use=appliance.draft_in_use,
             speculation=appliance.speculation,
             watchdog_seconds=appliance.spec.health.watchdog_seconds,
+            state_dir=appliance.state_file.parent,
         )
 
 
@@ -129,6 +134,9 @@ class Launcher:
         if outcome is not None:
             return outcome
         log.info("llama-server is ready after %.1f s at %s", time.monotonic() - started, self.plan.base_url)
+        if self.plan.state_dir is not None:  # serving again: how it last ended is history, not the state
+            with contextlib.suppress(OSError):
+                (self.plan.state_dir / LAST_EXIT).unlink(missing_ok=True)
         self.notifier.ready(self._ready_status())
         self._check_slots()
         return None
@@ -163,7 +171,7 @@ class Launcher:
                 self.stop_requested_or_restart.clear()
             code = self._child_exit()
             if code is not None:
-                log.error("llama-server failed to load the model (exit %d): %s", code, self._failure_reason())
+                log.error("llama-server failed to load the model: it %s", self._death(code))
                 return EXIT_LOAD_FAILED
         return None
 
@@ -174,7 +182,7 @@ class Launcher:
         while not self.stop_requested_or_restart.wait(min(interval, 2.0)):
             code = self._child_exit()
             if code is not None:
-                log.error("llama-server exited unexpectedly (%s): %s", exit_described(code), self._failure_reason())
+                log.error("llama-server exited unexpectedly: it %s", self._death(code))
                 return 128 - code if code < 0 else (code or EXIT_DIED)
             try:
                 healthy = self.api.health() == 200
@@ -256,9 +264,16 @@ class Launcher:
         assert self.child is not None
         return self.child.poll()
 
-    def _failure_reason(self) -> str:
+    def _death(self, code: int) -> str:
+        """How llama-server ended, as runtime/server_death.py words it for every reader; left in the state
+        directory for `status` too."""
         time.sleep(0.2)  # let the relay thread catch the last lines
-        return failure_line(self.tail)
+        sets, cpu = engine_facts(Path(self.plan.argv[0]))
+        described = describe_exit(code, self.tail, sets, cpu)
+        if self.plan.state_dir is not None:
+            with contextlib.suppress(OSError):
+                write_atomically(self.plan.state_dir / LAST_EXIT, f"{described}\n", mode=0o600)
+        return described
 
     def _stop(self, reason: str) -> int:
         assert self.child is not None

@@ -1,6 +1,6 @@
 """One llama-server child's lifecycle, shared by the launcher (the server unit) and bench/tune's servers of their
 own: started so that it dies with its parent, waited on until /health answers 200, stopped gracefully (killed
-when it ignores SIGTERM), and the line of its output that says why it failed."""
+when it ignores SIGTERM); how it ended reads as runtime/server_death.py words it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterable
 
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 from appliance.system.run import Popen, TimeoutExpired
@@ -19,8 +18,6 @@ log = logging.getLogger("llm-appliance.launch")
 
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT = 30.0
-# Words of llama-server's lines that say why it did not start (load errors, a port taken, a file not found).
-ERROR_WORDS = ("error", "failed", "unable", "invalid", "cannot", "not found")
 
 
 def die_with_parent() -> None:
@@ -57,13 +54,6 @@ def stop(process: Popen[str], timeout: float = STOP_TIMEOUT) -> None:
             log.warning("llama-server ignored SIGTERM for %.0f s; killing it", timeout)
             process.kill()
             process.wait()
-
-
-def failure_line(lines: Iterable[str]) -> str:
-    """The first line of llama-server's output that says what went wrong, else its last line."""
-    kept = [line.strip() for line in lines]
-    errors = [line for line in kept if any(word in line.lower() for word in ERROR_WORDS)]
-    return errors[0] if errors else kept[-1] if kept else "no output"
 
 
 def exit_described(code: int) -> str:

@@ -362,6 +362,13 @@ class Cost(Strict):
         return hours * 3600 if hours else None
 
 
+class Engine(Strict):
+    """Which rung of the engine ladder serves (ops/engine_proof.py): "auto" lets the proof find the fastest
+    that works on this machine; a rung's name pins it, and only that rung is proven."""
+
+    rung: Literal["auto", "as-built", "no-repack", "no-amx", "portable"] = "auto"
+
+
 class Spec(Strict):
     server: Server = Server()
     models: Models
@@ -371,6 +378,7 @@ class Spec(Strict):
     health: Health = Health()
     restart: Restart = Restart()
     versions: Versions = Versions()
+    engine: Engine = Engine()
     prometheus: Prometheus = Prometheus()
     tuning: Tuning = Tuning()
     fleet: FleetMember | None = None

@@ -106,10 +106,14 @@ def spawn(
     bufsize: int = -1,
     preexec_fn: Callable[[], Any] | None = None,
     quiet: bool = False,
+    user: int | None = None,
+    group: int | None = None,
+    extra_groups: list[int] | None = None,
 ) -> subprocess.Popen[str]:
     """Start a long-running program (llama-server) and return its handle; the caller owns its lifetime.
     Its environment is inherited unchanged: the server's own messages are not parsed, only relayed.
-    `quiet`: not logged (bench's servers, while its progress bar holds the terminal)."""
+    `quiet`: not logged (bench's servers, while its progress bar holds the terminal). `user`, `group` and
+    `extra_groups`: whom it runs as (the service user, when root starts it)."""
     argv = _announce(argv, quiet)
     return subprocess.Popen(
         argv,
@@ -120,6 +124,9 @@ def spawn(
         errors=errors,
         bufsize=bufsize,
         preexec_fn=preexec_fn,
+        user=user,
+        group=group,
+        extra_groups=extra_groups,
     )
 
 
