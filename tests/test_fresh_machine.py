@@ -77,10 +77,22 @@ def test_the_readme_install_command_serves_drafted_completions(fresh: Machine) -
     for step in cold_steps:
         assert step in output, f"{step!r} did not run:\n{output[-6000:]}"
     assert fresh.run("systemctl is-active llm-appliance-server.service").stdout.strip() == "active"
+    # No engine serves before its proof on this machine: the ladder's choice is said once, and status names it.
+    assert "engine: /opt/llm-appliance/engine/bin/llama-server is proven before it serves" in output, output[-6000:]
+    (chosen,) = re.findall(r"engine: serving from rung ([a-z-]+)", output)
+    status = fresh.run("/opt/llm-appliance/venv/bin/llm-appliance status", check=False).stdout
+    assert f"engine   rung: {chosen}, proven " in status, status
     # The demo drafts by n-gram lookup: from text seen before, so an edit asked twice drafts the second time.
     fresh.chat(edit_messages(), 128)
     timings = fresh.chat(edit_messages(), 128)["timings"]
     assert timings["draft_n"] > 0 and timings["draft_n_accepted"] > 0, timings
+
+
+def test_a_second_install_changes_nothing(fresh: Machine) -> None:
+    result = fresh.run(f"cd {CHECKOUT} && {readme_commands()[0]}", timeout=1800)
+    output = result.stdout + result.stderr
+    assert "install: nothing to change: the appliance is installed as specified" in output, output[-4000:]
+    assert "nothing to prove" in output and "serving from rung" not in output, output[-4000:]
 
 
 def test_uninstall_purge_leaves_nothing(fresh: Machine) -> None:

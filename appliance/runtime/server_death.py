@@ -79,7 +79,7 @@ def describe_exit(code: int, lines: Iterable[str], build_sets: tuple[str, ...] =
         parts.append(
             f"llama.cpp printed no error first (its last line: {last[-1][:160]})"
             if last
-            else "llama.cpp printed nothing"
+            else "llama.cpp printed no error first (nothing but its no-GPU notice)"
         )
     else:
         parts.append(f"its last line: {kept[-1].strip()[:200]}" if kept else "it printed nothing")
