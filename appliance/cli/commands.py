@@ -176,6 +176,10 @@ def cmd_engine_install(args: argparse.Namespace) -> int:
         named = load_spec(args.spec).spec.server.binary
         binary = named if named != DEFAULT_BINARY else None
     manifest = engine_build.install(dest=args.dest, binary=binary, jobs=args.jobs)
+    if args.spec is not None and args.dest == paths.ENGINE_DIR:
+        from appliance.ops.engine_proof import ensure_proven
+
+        ensure_proven(validate(args.spec), say_engine)  # after every install: proven before anything serves
     print(manifest.binary)
     return EXIT_OK
 

@@ -236,7 +236,9 @@ def _machine_commands(command: Command, sub: argparse._SubParsersAction[argparse
     p.set_defaults(handler=cmd_engine_install)
     p.add_argument("--dest", type=Path, default=paths.ENGINE_DIR)
     p.add_argument("--binary", help="use this llama-server instead of building one")
-    p.add_argument("--spec", type=Path, help="use the spec's server.binary when it names one")
+    p.add_argument(
+        "--spec", type=Path, help="use the spec's server.binary when it names one, and prove it with the spec's argv"
+    )
     p.add_argument("--jobs", type=int, help="parallel build jobs (default: all cores)")
     p = engine_parser.add_parser(
         "info", help="print the engine manifest, its proof on this machine and its flag dialect"
