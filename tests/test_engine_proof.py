@@ -28,7 +28,8 @@ from appliance.facts.engine_manifest import Manifest
 from appliance.facts.engine_record import RECORD, EngineRecord, record_file, stale_reason
 from appliance.ops import engine_proof
 from appliance.ops.engine_build import PINNED
-from appliance.ops.engine_proof import EngineUnproven, ensure_proven
+from appliance.ops.engine_ladder import ensure_proven
+from appliance.ops.engine_proof import EngineUnproven
 from appliance.plan.validate import validate
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 from appliance.runtime.server_death import LAST_EXIT

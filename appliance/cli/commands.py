@@ -15,10 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from appliance.facts.dialect import builtin_dialect, read_binary_dialect
-from appliance.facts.engine_manifest import Manifest
-from appliance.facts.engine_record import EngineRecord, engine_lines, record_file, stale_reason
-from appliance.ops import engine_build, models
+from appliance.facts.engine_record import engine_lines
+from appliance.ops import models
 from appliance.plan.budget import GIB, lines
 from appliance.plan.explain import plan_json, speculation_lines
 from appliance.plan.fit import fit_lines, largest_fits
@@ -28,12 +26,9 @@ from appliance.render.apply import changes, installed_spec_path, reload_system, 
 from appliance.render.check import require_accepted
 from appliance.render.render import render
 from appliance.runtime.launch import Launcher, LaunchPlan
-from appliance.spec.base import DEFAULT_BINARY
-from appliance.spec.load import load_spec
 from appliance.spec.model import Spec
 from appliance.spec.problems import SpecInvalid, format_problems
 from appliance.system import paths
-from appliance.system.run import CommandFailed
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_APPLY, EXIT_ENGINE = 0, 1, 2, 3, 4
 
@@ -101,10 +96,14 @@ def _appliance(spec_path: Path, state_dir: Path = paths.STATE) -> Appliance:
     return resolve(_validated(spec_path).plan, installed_spec_path(spec_path), state_dir)
 
 
+def say_engine(line: str) -> None:
+    print(f"engine: {line}", file=sys.stderr, flush=True)
+
+
 def _proven(spec_path: Path) -> Validated:
     """The spec validated once the engine it runs is proven on this machine (apply, up, bench, tune): no
     engine serves before its proof."""
-    from appliance.ops.engine_proof import proven_validated
+    from appliance.ops.engine_ladder import proven_validated
 
     result = proven_validated(spec_path, say_engine)
     if result.warnings:
@@ -168,61 +167,6 @@ def spec_schema() -> dict[str, object]:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "llm-appliance spec"
     return schema
-
-
-def cmd_engine_install(args: argparse.Namespace) -> int:
-    binary = args.binary
-    if binary is None and args.spec is not None:
-        named = load_spec(args.spec).spec.server.binary
-        binary = named if named != DEFAULT_BINARY else None
-    manifest = engine_build.install(dest=args.dest, binary=binary, jobs=args.jobs)
-    if args.spec is not None and args.dest == paths.ENGINE_DIR:
-        from appliance.ops.engine_proof import ensure_proven
-
-        ensure_proven(validate(args.spec), say_engine)  # after every install: proven before anything serves
-    print(manifest.binary)
-    return EXIT_OK
-
-
-def say_engine(line: str) -> None:
-    print(f"engine: {line}", file=sys.stderr, flush=True)
-
-
-def cmd_engine_prove(args: argparse.Namespace) -> int:
-    from appliance.ops.engine_proof import applied_validated, ensure_proven, reapply_rung
-
-    if args.snapshot is None:
-        record, _ = ensure_proven(validate(args.spec), say_engine, force=not args.if_needed)
-    else:
-        applied = Appliance.read(args.snapshot)
-        record, _ = ensure_proven(applied_validated(applied), say_engine, force=not args.if_needed)
-        # A proof that chose another rung: the applied argv takes its flags, the rest of the snapshot as it was.
-        for change in reapply_rung(applied, record):
-            say_engine(f"{change.kind}d /{change.path}: the applied argv takes rung {record.rung}'s flags")
-    print("\n".join(engine_lines(record)))
-    return EXIT_OK
-
-
-def cmd_engine_info(args: argparse.Namespace) -> int:
-    manifest = Manifest.read(args.dest)
-    if manifest is None:
-        print(f"no engine manifest in {args.dest}; run `llm-appliance engine install`", file=sys.stderr)
-        return EXIT_ENGINE
-    print(json.dumps(manifest.__dict__, indent=2, sort_keys=True))
-    binary = Path(manifest.binary)
-    record = EngineRecord.read(record_file(binary, args.dest))
-    print("\n".join(engine_lines(record, stale_reason(binary, record, manifest))))
-    try:
-        dialect = read_binary_dialect(Path(manifest.binary))
-    except (OSError, CommandFailed) as exc:
-        print(f"cannot read the flag dialect of {manifest.binary}: {exc}", file=sys.stderr)
-        return EXIT_ENGINE
-    spec_flags = sorted(f for f in dialect.flags if f.startswith("--spec-") or f in ("-md", "--draft-max"))
-    print(
-        f"dialect: {len(dialect.flags)} flags; built-in dialect {'matches' if dialect.flags == builtin_dialect().flags else 'differs'}"
-    )
-    print(f"speculative flags: {' '.join(spec_flags)}")
-    return EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:

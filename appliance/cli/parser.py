@@ -12,9 +12,6 @@ from appliance.cli.commands import (
     cmd_bench,
     cmd_check_versions,
     cmd_drain,
-    cmd_engine_info,
-    cmd_engine_install,
-    cmd_engine_prove,
     cmd_explain,
     cmd_health,
     cmd_hold_driver,
@@ -32,6 +29,7 @@ from appliance.cli.commands import (
     cmd_up,
     cmd_validate,
 )
+from appliance.cli.engine_commands import cmd_engine_info, cmd_engine_install, cmd_engine_prove
 from appliance.cli.fleet_commands import cmd_fleet_render, cmd_fleet_validate, cmd_k8s_render
 from appliance.plan.resolved import SNAPSHOT
 from appliance.system import paths

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.ops import engine_build, layout, models
-from appliance.ops.engine_proof import ensure_proven
+from appliance.ops.engine_ladder import ensure_proven
 from appliance.ops.router_env import ensure_router
 from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
