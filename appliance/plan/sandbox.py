@@ -65,12 +65,12 @@ class _Opened:
     move_to: Path = MODELS
 
 
-def opened_files(spec: Spec, binary: str) -> list[_Opened]:
+def opened_files(spec: Spec, binary: str, key_files: bool = True) -> list[_Opened]:
     found = [_Opened("server.binary", Path(binary), ("server",), execute=True, move_to=paths.ENGINE_DIR)]
     for role, model in (("target", spec.models.target), ("draft", spec.models.draft)):
         if model is not None:
             found.append(_Opened(f"models.{role}.path", model.path, ("server",)))
-    if spec.server.api_key_file is not None:
+    if spec.server.api_key_file is not None and key_files:
         found.append(
             _Opened(
                 "server.api_key_file",
@@ -104,12 +104,13 @@ def temporary(path: Path) -> Path | None:
     return next((root for p in (path, _real(path)) for root in PRIVATE_TMP if under(p, (root,))), None)
 
 
-def sandbox(spec: Spec, binary: str) -> tuple[Sandbox, list[Problem]]:
-    """The binds the units need, and every file they could not open."""
+def sandbox(spec: Spec, binary: str, key_files: bool = True) -> tuple[Sandbox, list[Problem]]:
+    """The binds the units need, and every file they could not open. Without `key_files`, the key file is not
+    this machine's (a cluster's Secret, mounted where the pod's `up` reads it): neither checked nor bound."""
     binds: dict[str, list[str]] = {"server": [], "health": [], "restart": []}
     found: list[Problem] = []
     wanted: dict[Access, _Opened] = {}
-    for opened in opened_files(spec, binary):
+    for opened in opened_files(spec, binary, key_files):
         path = opened.path
         if not path.is_absolute():
             found.append(
