@@ -179,7 +179,9 @@ def outside_tmp() -> Iterator[Path]:
 def home_dir() -> Iterator[Path]:
     """A directory in /home, which the units hide (ProtectHome=) and bind files back from."""
     top = Path(tempfile.mkdtemp(prefix="llm-appliance-test-", dir="/home"))
-    top.chmod(0o700)  # as adduser makes a home on Debian 12: the units reach a bound file anyway
+    # A home its owner lets others pass (o+x), as validate asks of a 0700 one (Debian 12's adduser makes them so):
+    # the units bind a file alone, but `up` runs unsandboxed and must pass through every directory on the way.
+    top.chmod(0o711)
     yield top
     shutil.rmtree(top, ignore_errors=True)
 

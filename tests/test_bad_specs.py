@@ -1,7 +1,7 @@
 """Bad specs, each a small edit of a shipped example: the error names the field, the file and its line.
 
-Placeholders in a case's edits: $MODELS (the fixture models directory the example points at), $TMP (this
-test's directory, holding the broken model files of `bad_files`), $OUTSIDE (a directory outside /tmp and
+Placeholders in a case's edits: $MODELS (the fixture models directory the example points at), $BROKEN (the
+broken model files of `bad_files`, outside /tmp, which validate refuses), $TMP (a directory in /tmp), $OUTSIDE (a directory outside /tmp and
 the homes, where the units bind nothing) with $CLOSED in it (a directory only root may enter), $HOME_DIR (a
 directory in /home, which the units hide), $KEYS (a directory the service user may
 enter, holding the key files of `bad_files`), $SMOLLM2 and $GEMMA3 (the real models).
@@ -483,6 +483,31 @@ BAD = [
         "rename it without :",
         at="a:b.gguf",
     ),
+    # --- the units' PrivateTmp= hides /tmp and /var/tmp, and boot empties them: refused, never bound ---
+    Case(
+        "model-in-tmp",
+        {TARGET_PATH: 'path = "$TMP/in-tmp.gguf"'},
+        "models.target.path",
+        "is in a temporary directory (/tmp): the units do not see it (PrivateTmp= gives each its own",
+        "move it to /var/lib/llm-appliance/models/ and set models.target.path to where it is then",
+        at="in-tmp.gguf",
+    ),
+    Case(
+        "model-linked-into-tmp",
+        {TARGET_PATH: 'path = "$OUTSIDE/into-tmp.gguf"'},
+        "models.target.path",
+        "into-tmp.gguf leads to /tmp/",
+        "move it to /var/lib/llm-appliance/models/",
+        at="into-tmp.gguf",
+    ),
+    Case(
+        "baseline-in-var-tmp",
+        {"[health]\n": '[health]\nbaseline_file = "/var/tmp/llm-appliance-baseline.json"\n'},
+        "health.baseline_file",
+        "/var/tmp/llm-appliance-baseline.json is in a temporary directory (/var/tmp)",
+        "move it to /var/lib/llm-appliance/state/",
+        at="llm-appliance-baseline.json",
+    ),
     # --- checks across fields ---
     Case(
         "n-min-above-n-max",
@@ -518,7 +543,7 @@ BAD = [
     ),
     Case(
         "api-key-file-missing",
-        {'host = "127.0.0.1"': 'host = "127.0.0.1"\napi_key_file = "$TMP/no-such.key"'},
+        {'host = "127.0.0.1"': 'host = "127.0.0.1"\napi_key_file = "$BROKEN/no-such.key"'},
         "server.api_key_file",
         "no-such.key does not exist",
         "install -m 0640 -o root -g llm-appliance /dev/null",
@@ -725,14 +750,14 @@ BAD = [
     ),
     Case(
         "random-bytes",
-        {TARGET_PATH: 'path = "$TMP/random.gguf"'},
+        {TARGET_PATH: 'path = "$BROKEN/random.gguf"'},
         "models.target.path",
         "random.gguf: not a GGUF file: starts with",
         at="random.gguf",
     ),
     Case(
         "truncated-gguf",
-        {TARGET_PATH: 'path = "$TMP/truncated.gguf"'},
+        {TARGET_PATH: 'path = "$BROKEN/truncated.gguf"'},
         "models.target.path",
         "truncated: its tensors need",
         "re-copy",
@@ -740,28 +765,28 @@ BAD = [
     ),
     Case(
         "header-cut-short",
-        {DRAFT_PATH: 'path = "$TMP/header.gguf"'},
+        {DRAFT_PATH: 'path = "$BROKEN/header.gguf"'},
         "models.draft.path",
         "corrupt or truncated GGUF header",
         at="header.gguf",
     ),
     Case(
         "empty-file",
-        {TARGET_PATH: 'path = "$TMP/empty.gguf"'},
+        {TARGET_PATH: 'path = "$BROKEN/empty.gguf"'},
         "models.target.path",
         "not a GGUF file: only 0 bytes",
         at="empty.gguf",
     ),
     Case(
         "directory",
-        {TARGET_PATH: 'path = "$TMP/model-dir"'},
+        {TARGET_PATH: 'path = "$BROKEN/model-dir"'},
         "models.target.path",
         "is a directory",
         at="model-dir",
     ),
     Case(
         "file-as-directory",
-        {TARGET_PATH: 'path = "$TMP/random.gguf/model.gguf"'},
+        {TARGET_PATH: 'path = "$BROKEN/random.gguf/model.gguf"'},
         "models.target.path",
         "cannot be read: Not a directory",
         at="random.gguf/model.gguf",
@@ -1127,12 +1152,12 @@ WARNINGS = [
 
 
 @pytest.fixture(scope="module")
-def bad_files(
-    tmp_path_factory: pytest.TempPathFactory, smollm2: Path, outside_tmp: Path, home_dir: Path, fixture_models: Path
-) -> Path:
+def bad_files(smollm2: Path, outside_tmp: Path, home_dir: Path, fixture_models: Path, in_tmp: Path) -> Path:
     """Broken model files; in $CLOSED a key file in a directory the service user cannot enter, in $OUTSIDE a
-    model only root may read, in $HOME_DIR one whose name systemd cannot bind."""
-    directory = tmp_path_factory.mktemp("bad-files")
+    model only root may read and a link into $TMP, in $HOME_DIR one whose name systemd cannot bind."""
+    # Not in pytest's tmp_path: a file in /tmp has an error of its own (the units' PrivateTmp= hides it).
+    directory = outside_tmp / "bad-files"
+    directory.mkdir(mode=0o755)
     closed = outside_tmp / "closed"
     closed.mkdir(mode=0o700, exist_ok=True)
     private = outside_tmp / "private"
@@ -1151,6 +1176,16 @@ def bad_files(
     (closed / "closed.key").write_text("secret\n")
     os.chown(closed / "closed.key", 0, SERVICE.gid if SERVICE else 0)
     (closed / "closed.key").chmod(0o640)
+    (outside_tmp / "into-tmp.gguf").symlink_to(in_tmp / "in-tmp.gguf")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def in_tmp(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
+    """$TMP: a directory in /tmp, holding a whole model anyone may read (in-tmp.gguf)."""
+    directory = tmp_path_factory.mktemp("in-tmp")
+    shutil.copy(smollm2, directory / "in-tmp.gguf")
+    (directory / "in-tmp.gguf").chmod(0o644)
     return directory
 
 
@@ -1191,7 +1226,8 @@ def written(
     def fill(text: str) -> str:
         return (
             text.replace("$MODELS", str(models))
-            .replace("$TMP", str(tmp))
+            .replace("$BROKEN", str(tmp))
+            .replace("$TMP", str(places["$TMP"]))
             .replace("$CLOSED", str(places["$OUTSIDE"] / "closed"))
             .replace("$OUTSIDE", str(places["$OUTSIDE"]))
             .replace("$HOME_DIR", str(places["$HOME_DIR"]))
@@ -1261,9 +1297,10 @@ def write_case(
     gemma3: Path,
     outside_tmp: Path,
     home_dir: Path,
+    in_tmp: Path,
 ) -> WriteCase:
     """A case's spec written out, its placeholders filled: (path, text)."""
-    places = {"$OUTSIDE": outside_tmp, "$HOME_DIR": home_dir}
+    places = {"$OUTSIDE": outside_tmp, "$HOME_DIR": home_dir, "$TMP": in_tmp}
     return lambda case: written(case, example, bad_files, fixture_models, smollm2, gemma3, key_files, places)
 
 

@@ -26,7 +26,8 @@ from appliance.measure.bench import run_bench
 from appliance.measure.bench_report import format_table
 from appliance.measure.chart import draw_bench_chart
 from appliance.measure.config import NO_SPECULATION, BenchError, Config
-from appliance.measure.measure import Progress, Sample, Stats, WorkloadResult
+from appliance.measure.measure import Sample, Stats, WorkloadResult
+from appliance.measure.progress import Progress, duration, time_left
 from appliance.measure.server import free_port, server_argv
 from appliance.measure.suite import CHAT_MARGIN, canary_workload, fit_document, load_suite, long_prompt, prepare
 from appliance.plan.validate import validate
@@ -168,15 +169,61 @@ def test_statistics_acceptance_and_mean_accepted_length() -> None:
     assert Stats.of([]) is None
 
 
-def test_progress_on_a_log_is_one_line_per_configuration() -> None:
-    stream = io.StringIO()
-    progress = Progress(stream, total=10)
-    progress.phase("with draft")
-    for i in range(10):
-        progress.advance(f"chat {i}")
-    progress.phase("no draft")
+class Clock:
+    """Time that moves only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_time_left_is_each_workloads_own_pace_times_what_remains() -> None:
+    assert time_left({}, {"chat": 3}) is None  # nothing measured: no figure rather than a guess
+    seconds = {"chat": [2.0, 4.0], "long-qa": [30.0]}
+    # chat at 3 s, long-qa at 30 s, code (not measured yet) at the mean of all three: 12 s.
+    assert time_left(seconds, {"chat": 2, "long-qa": 1, "code": 1}) == pytest.approx(6 + 30 + 12)
+    assert time_left(seconds, {"chat": 0, "long-qa": -1}) == 0.0  # more measured than planned is not time back
+    assert [duration(s) for s in (0.2, 7.4, 41, 56, 170, 3599, 3900)] == [
+        "1 s",
+        "8 s",
+        "45 s",
+        "1 min",
+        "3 min",
+        "1 h 00 min",
+        "1 h 05 min",
+    ]
+
+
+def test_progress_on_a_log_is_a_line_per_measurement_with_the_count_and_the_time_left() -> None:
+    stream, clock = io.StringIO(), Clock()
+    progress = Progress(stream, clock=clock)
+    progress.plan({"chat": 4, "long-qa": 4})
+    progress.phase("starting llama-server with draft")
+    clock.now += 60  # a server start is no measurement's time
+    progress.phase("draft")
+    for rep in (1, 2):
+        for name, seconds in (("chat", 2.0), ("long-qa", 10.0)):
+            clock.now += seconds
+            progress.advance(name, f"{name}, rep {rep}/2", 41.25)
+    progress.phase("no speculation (baseline)")
+    for rep in (1, 2):
+        for name, seconds in (("chat", 2.0), ("long-qa", 10.0)):
+            clock.now += seconds
+            progress.advance(name, f"{name}, rep {rep}/2")
     progress.close()
-    assert stream.getvalue() == "bench: with draft\nbench: no draft\n"
+    lines = stream.getvalue().splitlines()
+    assert lines[:3] == [
+        "bench: starting llama-server with draft",
+        "bench: draft",
+        "bench: [1/8] chat, rep 1/2, draft: 41.2 tok/s (about 15 s left)",  # only chat measured: 7 x 2 s
+    ]
+    assert lines[3] == "bench: [2/8] long-qa, rep 1/2, draft: 41.2 tok/s (about 40 s left)"  # 3 x 2 s + 3 x 10 s
+    assert lines[6] == "bench: no speculation (baseline)"
+    assert lines[7] == "bench: [5/8] chat, rep 1/2, no speculation (baseline) (about 25 s left)"
+    assert lines[-1] == "bench: [8/8] long-qa, rep 2/2, no speculation (baseline) (done in 2 min)"
+    assert len(lines) == 8 + 3
 
 
 class Terminal(io.StringIO):
@@ -185,15 +232,23 @@ class Terminal(io.StringIO):
 
 
 def test_progress_on_a_terminal_is_a_bar_redrawn_in_place() -> None:
-    stream = Terminal()
-    progress = Progress(stream, total=4)
-    progress.phase("with draft")
-    progress.advance("chat 1/2")
-    progress.advance("chat 2/2")
+    stream, clock = Terminal(), Clock()
+    progress = Progress(stream, clock=clock, name="tune", scope="on this server")
+    progress.plan({"chat": 4})
+    progress.phase("server 1, draft")
+    clock.now += 3
+    progress.advance("chat", "chat, rep 1/4", 50.0)
+    clock.now += 3
+    progress.advance("chat", "chat, rep 2/4", 52.0)
     progress.close()
     text = stream.getvalue()
     assert "\n" not in text and text.count("\r") == 4
-    assert "[############............] 2/4  with draft: chat 2/2" in text
+    assert (
+        "[############............] 2/4  chat, rep 2/4, server 1, draft: 52.0 tok/s (about 6 s left on this server)"
+        in text
+    )
+    progress.plan({"chat": 4})  # tune's next server: counted afresh, at the pace already measured
+    assert progress.count == 0 and progress.left() == "about 15 s left on this server"  # 4 x 3 s
 
 
 def test_the_chart_is_a_png_with_a_bar_pair_per_workload(tmp_path: Path) -> None:
@@ -219,7 +274,14 @@ def test_bench_standalone_measures_every_workload_with_and_without_speculation(
     code = cli.main([*argv, "--chart", str(chart), "--baseline", str(baseline)])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert "bench: no speculation (baseline)" in err  # progress, one line per configuration on a log
+    assert "bench: no speculation (baseline)" in err  # progress on a log: a line per configuration,
+    # and one per measurement: 6 workloads and the canary, twice on each side, counted to the end.
+    counted = re.findall(
+        r"^bench: \[\s*(\d+)/(\d+)\] (\S+), rep (\d)/2, .*?(?:: [\d.]+ tok/s)? \(([^()]*)\)$", err, re.M
+    )
+    assert [int(done) for done, *_ in counted] == list(range(1, 29)) and {total for _, total, *_ in counted} == {"28"}
+    assert all(re.fullmatch(r"about \d+ (s|min) left", left) for *_, left in counted[:-1]), counted
+    assert counted[-1][4].startswith("done in ") and counted[-1][2] == "canary"
     result = json.loads(out)
     assert result["suite"] == "suite-v2" and result["mode"] == "standalone"
     assert result["configs"]["speculative"]["type"] == "draft-simple"

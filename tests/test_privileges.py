@@ -43,8 +43,9 @@ class Running:
 
 
 def reachable_directory() -> Path:
-    """Like /var/lib/llm-appliance: root's, and open to the service user (pytest's own are 0700)."""
-    directory = Path(tempfile.mkdtemp(prefix="llm-appliance-privileges-", dir="/tmp"))
+    """Like /var/lib/llm-appliance: root's, and open to the service user; not pytest's own (0700, and in /tmp,
+    which validate refuses: the units' PrivateTmp= hides it)."""
+    directory = Path(tempfile.mkdtemp(prefix="llm-appliance-privileges-", dir="/var/lib"))
     directory.chmod(0o755)
     return directory
 

@@ -1,5 +1,5 @@
-"""The units follow what validate found about the sandbox: files bound out of homes and /tmp, the one capability
-for a low port, access tried as the service user. The nspawn tests start these units for real."""
+"""The units follow what validate found about the sandbox: files bound out of homes, files in /tmp refused, the
+one capability for a low port, access tried as the service user. The nspawn tests start these units for real."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLE_FACTS, service_settings
 
+import appliance.cli.main as cli
+from appliance.cli.commands import EXIT_INVALID
 from appliance.plan.resolved import resolve
 from appliance.plan.validate import validate
 from appliance.render.apply import installed_spec_path
@@ -76,17 +78,61 @@ def test_a_link_into_a_home_binds_the_file_it_leads_to(
     assert _units(spec)["server"]["BindReadOnlyPaths"] == [f'"{blob}"']
 
 
-def test_a_model_in_tmp_is_bound_and_warned_of(
-    example: Callable[..., Path], fixture_models: Path, tmp_path: Path
+def test_a_model_in_tmp_is_refused_and_nothing_written(
+    example: Callable[..., Path], smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As a user meets it: a model fetched into a private directory in /tmp. The server unit has PrivateTmp=
+    (its own, empty /tmp), `up` runs as a user the 0700 directory shuts out, and boot empties /tmp."""
+    closed = tmp_path / "mine"
+    closed.mkdir(mode=0o700)
+    model = closed / "smol.gguf"
+    shutil.copy(smollm2, model)
+    model.chmod(0o644)
+    spec = _with_model(example, model)
+    before = sorted(tmp_path.rglob("*"))
+    assert cli.main(["validate", str(spec)]) == EXIT_INVALID
+    out, err = capsys.readouterr()
+    line = spec.read_text().splitlines().index(f'path = "{model}"') + 1
+    assert f"{spec}:{line}: error: models.target.path: {model} is in a temporary directory (/tmp)" in err, err
+    assert "PrivateTmp=" in err and "fix: move it to /var/lib/llm-appliance/models/ and set models.target.path" in err
+    assert err.count("error:") == 1, err  # one problem for the file: the move is its fix, whatever else is in the way
+    assert out == "" and sorted(tmp_path.rglob("*")) == before
+
+
+def test_a_link_into_tmp_is_refused_too(
+    example: Callable[..., Path], smollm2: Path, outside_tmp: Path, tmp_path: Path
 ) -> None:
     model = tmp_path / "smol.gguf"
-    shutil.copy(fixture_models / "SmolLM2-135M-Instruct.Q4_1.gguf", model)
+    shutil.copy(smollm2, model)
     model.chmod(0o644)
-    spec = example("demo-draft.toml")
-    spec.write_text(spec.read_text().replace(str(fixture_models / "SmolLM2-135M-Instruct.Q4_1.gguf"), str(model)))
-    result = validate(spec, facts=EXAMPLE_FACTS["demo-draft.toml"])
-    assert [w.field for w in result.warnings] == ["models.target.path", "models.draft.path"]
-    assert "empties /tmp at boot" in result.warnings[0].message
+    link = outside_tmp / "link-into-tmp.gguf"
+    link.symlink_to(model)
+    with pytest.raises(SpecInvalid) as caught:
+        validate(_with_model(example, link), facts=EXAMPLE_FACTS["demo-draft.toml"])
+    (problem,) = caught.value.errors
+    assert problem.field == "models.target.path"
+    assert problem.message.startswith(f"{link} leads to {model}, which is in a temporary directory (/tmp)")
+
+
+@needs_service_user
+def test_a_bound_model_still_needs_its_way_open_to_the_service_user(
+    example: Callable[..., Path], home_dir: Path, smollm2: Path
+) -> None:
+    """A file in a home is bound alone into the server unit, but `up` opens it as the service user with no
+    sandbox: a 0700 directory on the way is refused, naming it."""
+    closed = home_dir / "private-models"
+    closed.mkdir(mode=0o700)
+    model = closed / "smol.gguf"
+    shutil.copy(smollm2, model)
+    model.chmod(0o644)
+    spec = _with_model(example, model)
+    with pytest.raises(SpecInvalid) as caught:
+        validate(spec, facts=EXAMPLE_FACTS["demo-draft.toml"])
+    (problem,) = caught.value.errors
+    assert problem.field == "models.target.path"
+    assert f"{closed} (mode 0700) does not let llm-appliance reach it" in problem.message
+    assert problem.fix == f"let it: chmod o+x {closed}; or move the file to /var/lib/llm-appliance/models/"
+    closed.chmod(0o711)  # the fix, as said: then the unit binds it
     assert _units(spec)["server"]["BindReadOnlyPaths"] == [f'"{model}"']
 
 
@@ -157,7 +203,7 @@ def test_access_is_tried_as_the_service_user(outside_tmp: Path) -> None:
     group.write_text("x")
     os.chown(group, 0, SERVICE.gid)
     group.chmod(0o640)
-    wanted = [Access(inside), Access(inside, inode_only=True), Access(secret), Access(group)]
+    wanted = [Access(inside), Access(secret), Access(group)]
     refused = denied_as(SERVICE, wanted)
     assert set(refused) == {Access(inside), Access(secret)}
     assert f"{closed} (mode 0700) does not let llm-appliance reach it" in refused[Access(inside)]
@@ -165,8 +211,7 @@ def test_access_is_tried_as_the_service_user(outside_tmp: Path) -> None:
 
 def _root_only_model(outside_tmp: Path, smollm2: Path, name: str) -> tuple[Path, Path]:
     """(the 0700 root directory, a model in it): not in pytest's tmp_path, whose parents are 0700 already and which
-    the units would bind (PrivateTmp=, where only the file's own mode counts), but on a way the service user
-    could pass but for the one directory."""
+    validate refuses for being in /tmp, but on a way the service user could pass but for the one directory."""
     closed = outside_tmp / name
     closed.mkdir(mode=0o700)
     assert os.stat(outside_tmp).st_mode & 0o001 and os.stat(outside_tmp.parent).st_mode & 0o001

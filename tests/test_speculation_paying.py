@@ -37,12 +37,12 @@ RULES = "etc/llm-appliance/rendered/prometheus/llm-appliance.rules.yml"
 NOT_PAYING_FOR = 30  # seconds: the rule's `for:` here, so promtool needs few samples
 
 
-def self_draft_spec(directory: Path, models: Path, server_port: int, exporter_port: int) -> Path:
+def self_draft_spec(directory: Path, models: Path, server_port: int, exporter_port: int, baseline: Path) -> Path:
     text = SELF_DRAFT.read_text().replace(INSTALLED_MODELS, str(models))
     for old, new in {
         "port = 8080": f"port = {server_port}",
         "port = 9478": f"port = {exporter_port}\nalert_for_seconds = {{ speculation_not_paying = {NOT_PAYING_FOR} }}",
-        "interval_seconds = 10": f'interval_seconds = 1\nbaseline_file = "{directory / "baseline.json"}"',
+        "interval_seconds = 10": f'interval_seconds = 1\nbaseline_file = "{baseline}"',
         "canary_after_idle_seconds = 60": "canary_after_idle_seconds = 0",
     }.items():
         assert old in text, old
@@ -75,13 +75,14 @@ def speedup(text: str) -> float | None:
 
 
 def test_speculation_slower_than_without_is_exported_and_alerts(
-    fixture_models: Path, appliance_up: UpProcess, tmp_path: Path
+    fixture_models: Path, appliance_up: UpProcess, tmp_path: Path, outside_tmp: Path
 ) -> None:
     server_port, exporter_port = free_port(), free_port()
-    spec_path = self_draft_spec(tmp_path, fixture_models, server_port, exporter_port)
+    baseline = outside_tmp / f"{tmp_path.name}-baseline.json"  # not in /tmp: the units' PrivateTmp= hides it
+    spec_path = self_draft_spec(tmp_path, fixture_models, server_port, exporter_port, baseline)
     plain = no_speculation_rate(spec_path)
     assert plain > 0
-    write_baseline(tmp_path / "baseline.json", {}, {"measured_by": "test"}, {BUCKET: plain})
+    write_baseline(baseline, {}, {"measured_by": "test"}, {BUCKET: plain})
 
     process, output = appliance_up(spec_path)
     wait_ready(process, output, 1)

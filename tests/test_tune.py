@@ -315,7 +315,7 @@ def record_sweep(path: Path = SWEEP, reps: int = 3, tokens: int = 32) -> None:
     import os
 
     from appliance.facts.machine import find_binary
-    from appliance.measure.measure import Progress
+    from appliance.measure.progress import Progress
     from appliance.measure.suite import load_suite
     from appliance.ops.engine_build import version_line
 
@@ -336,7 +336,9 @@ def record_sweep(path: Path = SWEEP, reps: int = 3, tokens: int = 32) -> None:
         "start": start.to_json(),
         "measured": [],
     }
-    server = ServerMeasure(validated, SWEEP_WORKLOADS, reps, tokens, progress=Progress())
+    server = ServerMeasure(
+        validated, SWEEP_WORKLOADS, reps, tokens, progress=Progress(name="tune", scope="on this server")
+    )
 
     def measure(config: Config) -> Mapping[str, float]:
         rates = server(config)
@@ -367,6 +369,18 @@ def test_tune_writes_the_spec_and_the_baseline_for_real(
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "+[tuning]" in out and "wrote" in out  # the diff is shown, then written
+    # Progress on a log: a line per measurement, counted server by server (how many the search starts is
+    # known only at its end), each server's last line N/N.
+    lines = re.findall(r"^tune: \[(\d)/(\d)\] (\w+), rep 1/1, server (\d+), .*\(([^()]*)\)$", err, re.M)
+    servers: dict[str, list[tuple[str, ...]]] = {}
+    for done, total, name, server, left in lines:
+        servers.setdefault(server, []).append((done, total, name, left))
+    assert list(servers) == [str(n) for n in range(1, len(servers) + 1)] and len(servers) >= 4, err
+    for counted in servers.values():
+        assert [int(done) for done, *_ in counted] == list(range(1, int(counted[0][1]) + 1)), counted
+        assert all(re.fullmatch(r"about \d+ (s|min) left on this server", c[3]) for c in counted[:-1]), counted
+        assert counted[-1][3].startswith("done in ") and counted[-1][3].endswith(" on this server")
+    assert {name for c in servers.values() for _, _, name, _ in c} == {"code", "chat", "canary"}
     assert "loss by sharing" in out and "best type" in out
     text = spec.read_text()
     comments = [line for line in original.splitlines() if "#" in line]

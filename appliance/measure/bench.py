@@ -28,7 +28,8 @@ from appliance.facts.energy_meters import Energy, meters_for
 from appliance.facts.gpu import Pynvml
 from appliance.measure.bench_report import BenchResult, Side, chart_rows, format_table, now, write_baseline
 from appliance.measure.config import NO_SPECULATION, BenchError, BenchUsage, Config
-from appliance.measure.measure import Progress, WorkloadResult, measure
+from appliance.measure.measure import WorkloadResult, measure
+from appliance.measure.progress import Progress
 from appliance.measure.server import LOAD_TIMEOUT, TempServer
 from appliance.measure.suite import CANARY, Prepared, Suite, canary_workload, load_suite
 from appliance.plan.resolved import Appliance, resolve
@@ -109,7 +110,9 @@ def run_bench(
     prepared = Prepared(suite.workloads, tokens, appliance.slot_ctx, suite.stop_at_eos)
     canary = Prepared([canary_workload()], None, prepared.slot_ctx) if with_canary else None
     progress = progress or Progress(enabled=False)
-    progress.total = 2 * (len(suite.workloads) + (1 if with_canary else 0)) * reps
+    # Both sides measure every workload (and the canary) `reps` times.
+    names = [*(w.name for w in suite.workloads), *([CANARY] if with_canary else [])]
+    progress.plan(dict.fromkeys(names, 2 * reps))
     # The server's GPUs through NVML and the CPUs through RAPL, each read around every request where it can be.
     energy = energy if energy is not None else Energy(meters_for(appliance.server_devices, Pynvml()))
     run = _Run(validated, appliance, prepared, canary, reps, progress, load_timeout, energy)

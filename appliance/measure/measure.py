@@ -1,22 +1,22 @@
 """The measurement of one configuration on a running server: each request of the suite, repeated and
 interleaved after a warm-up, streamed over SSE for the time to first token, the server's own `timings`
 kept as a `Sample` with the energy the machine drew meanwhile where it can be read; the statistics of the
-samples per workload (`WorkloadResult`); the progress shown meanwhile. A sample during which other processes
-took the CPUs is measured again.
+samples per workload (`WorkloadResult`), each sample told to the progress as it is taken. A sample during
+which other processes took the CPUs is measured again.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 from appliance.facts.energy_meters import Energy
 from appliance.measure.config import BenchError
+from appliance.measure.progress import Progress
 from appliance.measure.server import CpuTimes, others_share
 from appliance.measure.suite import Request, call
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
@@ -206,46 +206,6 @@ def run_request(api: ServerApi, request: Request, pid: int | None = None, energy
         raise BenchError(f"{api.base_url}{request.path}: no usable timings in the answer ({exc})") from None
 
 
-class Progress:
-    """A bar on a terminal; on a log, one line per server configuration."""
-
-    def __init__(self, stream: TextIO | None = None, total: int | None = None, enabled: bool = True) -> None:
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.total = total
-        self.done = 0
-        self.enabled = enabled
-        self.phase_text = ""
-
-    def phase(self, text: str) -> None:
-        self.phase_text = text
-        if not self.enabled:
-            return
-        if self.tty:
-            self._draw("starting")
-        else:
-            print(f"bench: {text}", file=self.stream, flush=True)
-
-    def advance(self, detail: str) -> None:
-        self.done += 1
-        if self.enabled and self.tty:
-            self._draw(detail)
-
-    def _draw(self, detail: str) -> None:
-        if self.total:
-            filled = int(24 * min(self.done, self.total) / self.total)
-            bar = f"[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total}"
-        else:
-            bar = f"[{self.done}]"
-        self.stream.write(f"\r\x1b[K{bar}  {self.phase_text}: {detail}"[:160])
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-
-
 def measure(
     api: ServerApi,
     requests: Sequence[Request],
@@ -263,6 +223,8 @@ def measure(
         body = {**warm.body, "stream": False, ("n_predict" if endpoint == "/completion" else "max_tokens"): 4}
         body.pop("stream_options", None)
         call(api, endpoint, body, REQUEST_TIMEOUT)
+    if progress:
+        progress.resume()
     results = {
         r.workload.name: WorkloadResult(r.workload.name, r.workload.title, r.max_tokens, r.prompt_tokens, n_max)
         for r in requests
@@ -279,7 +241,8 @@ def measure(
                 sample = run_request(api, request, pid, energy)
             result.samples.append(sample)
             if progress:
-                progress.advance(f"{request.workload.name} {rep + 1}/{reps}")
+                name = request.workload.name
+                progress.advance(name, f"{name}, rep {rep + 1}/{reps}", sample.decode_tps)
     return results
 
 

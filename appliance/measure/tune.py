@@ -23,7 +23,8 @@ from typing import Any, TextIO
 
 from appliance.measure.bench_report import now, write_baseline
 from appliance.measure.config import NGRAM_PARAMS, NO_SPECULATION, BenchError, BenchUsage, Config, bounds
-from appliance.measure.measure import Progress, WorkloadResult, measure
+from appliance.measure.measure import WorkloadResult, measure
+from appliance.measure.progress import Progress
 from appliance.measure.search import CACHE_ORDER, Params, Rates, TuneResult, Value, default_params, ngram_params, tune
 from appliance.measure.server import TempServer
 from appliance.measure.suite import CANARY, Prepared, canary_workload, load_suite
@@ -58,7 +59,8 @@ class ServerMeasure:
 
     def __call__(self, config: Config) -> Rates:
         self.starts += 1
-        self.progress.phase(f"server {self.starts}: {config.label()}")
+        self.progress.plan(dict.fromkeys(self.suite.names, self.reps))
+        self.progress.phase(f"server {self.starts}, {config.label()}")
         with TempServer(self.validated, config) as server:
             found = measure(
                 server.api,
@@ -73,7 +75,8 @@ class ServerMeasure:
 
     def canary(self, config: Config) -> WorkloadResult:
         self.starts += 1
-        self.progress.phase(f"server {self.starts}: the health canary with {config.label()}")
+        self.progress.plan({CANARY: self.reps})
+        self.progress.phase(f"server {self.starts}, the health canary with {config.label()}")
         prepared = Prepared([canary_workload()], None, self.prepared.slot_ctx)
         with TempServer(self.validated, config) as server:
             return measure(server.api, prepared.get(server.api), self.reps, server.pid, self.progress)[CANARY]
@@ -233,7 +236,8 @@ def main_tune(
     grid = parse_grid(grids)
     params = Params(default_params(grid, parse_layers(draft_gpu_layers), cache_types), ngram_params(grid))
     candidates = candidate_types(validated, types)
-    progress = Progress()
+    # How many servers the search starts is known only at its end: the count and the time left are per server.
+    progress = Progress(name="tune", scope="on this server")
     server_measure = ServerMeasure(validated, list(weights), reps, tokens, suite_file, progress)
     result = tune(_start(validated, params), weights, params, server_measure, tolerance, candidates)
     measured_at = now()

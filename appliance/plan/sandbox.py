@@ -4,11 +4,13 @@ reachable inside the unit's namespace and readable by the service user, checked 
 - ProtectHome= hides /home, /root and /run/user, where people keep ~/models and the Hugging Face cache: a file
   there is bound back read-only (BindReadOnlyPaths=, with ProtectHome=tmpfs, the one mode that can take a
   bind), the file alone, not its neighbours;
-- PrivateTmp= gives each unit its own /tmp and /var/tmp, and both are emptied or aged at boot: refused;
+- PrivateTmp= gives each unit its own, empty /tmp and /var/tmp, and the host empties or ages both at boot: a
+  file there (as written, or where its links lead) is refused, never bound: it would be gone after a reboot;
 - the service user must read what it opens (a directory of mode 0700 on the way, a file of another group):
   root tries it as that user for real (system.users.denied_as, ACLs included), and the fix names each directory
   that stops it (`chmod o+x DIR`) and the file's own mode; before the user exists, the modes are read as any
-  other user's (ACLs not), which it will be to every file there now.
+  other user's (ACLs not), which it will be to every file there now. Every directory on the way counts, even
+  for a file the units bind: `llm-appliance up` runs the same files as that user with no sandbox at all.
 
 Validation, not planning: it reads the file system, as validate.py does.
 """
@@ -37,7 +39,7 @@ from appliance.system.users import (
 )
 
 HIDDEN_HOMES = (Path("/home"), Path("/root"), Path("/run/user"))  # ProtectHome=
-PRIVATE_TMP = (Path("/tmp"), Path("/var/tmp"))  # PrivateTmp=: the unit's own, empty; host files bound in
+PRIVATE_TMP = (Path("/tmp"), Path("/var/tmp"))  # PrivateTmp=: the unit's own, empty; refused, not bound
 # What BindReadOnlyPaths= cannot carry, even quoted: its separator, systemd's specifiers and escapes.
 UNBINDABLE = frozenset(":%\"\\'")
 MODELS = paths.STATE.parent / "models"
@@ -63,12 +65,12 @@ class _Opened:
     move_to: Path = MODELS
 
 
-def opened_files(spec: Spec, binary: str) -> list[_Opened]:
+def opened_files(spec: Spec, binary: str, key_files: bool = True) -> list[_Opened]:
     found = [_Opened("server.binary", Path(binary), ("server",), execute=True, move_to=paths.ENGINE_DIR)]
     for role, model in (("target", spec.models.target), ("draft", spec.models.draft)):
         if model is not None:
             found.append(_Opened(f"models.{role}.path", model.path, ("server",)))
-    if spec.server.api_key_file is not None:
+    if spec.server.api_key_file is not None and key_files:
         found.append(
             _Opened(
                 "server.api_key_file",
@@ -93,16 +95,22 @@ def _real(path: Path) -> Path:
 
 
 def hidden(path: Path) -> list[Path]:
-    """The names of `path` (as written, and the file it leads to) that the units' sandbox hides: to bind."""
-    return [p for p in dict.fromkeys((path, _real(path))) if under(p, HIDDEN_HOMES + PRIVATE_TMP)]
+    """The names of `path` (as written, and the file it leads to) in a home the units' sandbox hides: to bind."""
+    return [p for p in dict.fromkeys((path, _real(path))) if under(p, HIDDEN_HOMES)]
 
 
-def sandbox(spec: Spec, binary: str) -> tuple[Sandbox, list[Problem]]:
-    """The binds the units need, and every file they could not open."""
+def temporary(path: Path) -> Path | None:
+    """The temporary directory `path` is in, or leads into (a link followed); None when neither."""
+    return next((root for p in (path, _real(path)) for root in PRIVATE_TMP if under(p, (root,))), None)
+
+
+def sandbox(spec: Spec, binary: str, key_files: bool = True) -> tuple[Sandbox, list[Problem]]:
+    """The binds the units need, and every file they could not open. Without `key_files`, the key file is not
+    this machine's (a cluster's Secret, mounted where the pod's `up` reads it): neither checked nor bound."""
     binds: dict[str, list[str]] = {"server": [], "health": [], "restart": []}
     found: list[Problem] = []
     wanted: dict[Access, _Opened] = {}
-    for opened in opened_files(spec, binary):
+    for opened in opened_files(spec, binary, key_files):
         path = opened.path
         if not path.is_absolute():
             found.append(
@@ -113,16 +121,19 @@ def sandbox(spec: Spec, binary: str) -> tuple[Sandbox, list[Problem]]:
                 )
             )
             continue
-        real = _real(path)
-        if under(path, PRIVATE_TMP) or under(real, PRIVATE_TMP):
+        tmp = temporary(path)
+        if tmp is not None:
+            real = _real(path)
+            where = f"{path}" if under(path, (tmp,)) else f"{path} leads to {real}, which"
             found.append(
-                warning(
+                error(
                     opened.field,
-                    f"{path} is in a temporary directory: the system empties /tmp at boot and ages /var/tmp, "
-                    "so the units would not start after a reboot or a month",
-                    f"move it to {opened.move_to}/",
+                    f"{where} is in a temporary directory ({tmp}): the units do not see it (PrivateTmp= gives each "
+                    "its own, empty /tmp and /var/tmp), and the system empties /tmp at boot and ages /var/tmp",
+                    f"move it to {opened.move_to}/ and set {opened.field} to where it is then",
                 )
             )
+            continue  # the move is the fix, whatever else stops the service user on the way there now
         bound = hidden(path)
         if bound:
             bad = sorted({c for p in bound for c in str(p) if c in UNBINDABLE})
@@ -130,7 +141,7 @@ def sandbox(spec: Spec, binary: str) -> tuple[Sandbox, list[Problem]]:
                 found.append(
                     error(
                         opened.field,
-                        f"{path} is where the units' sandbox hides it (ProtectHome=, PrivateTmp=), and its name holds "
+                        f"{path} is where the units' sandbox hides it (ProtectHome=), and its name holds "
                         f"{' '.join(bad)}, which systemd cannot bind back into them (BindReadOnlyPaths=)",
                         f"rename it without {' '.join(bad)}, or move it to {opened.move_to}/",
                     )
@@ -144,7 +155,7 @@ def sandbox(spec: Spec, binary: str) -> tuple[Sandbox, list[Problem]]:
         # `engine install`); the baseline may come later, from `bench`.
         if path.exists() and not opened.checked_elsewhere:
             # One problem per file: a model that is both target and draft is named once, as the target.
-            wanted.setdefault(Access(path, execute=opened.execute, inode_only=bool(bound)), opened)
+            wanted.setdefault(Access(path, execute=opened.execute), opened)
     found += _readable(wanted)
     box = Sandbox(*(tuple(dict.fromkeys(binds[unit])) for unit in ("server", "health", "restart")))
     return box, found
@@ -194,10 +205,9 @@ def _fix(access: Access, opened: _Opened, who: Account, stranger: bool) -> str:
     """The commands that let `who` open the file: x on each directory that stops it on the way (search alone: it
     still cannot list them), then read on the file itself; or the move to where it may."""
     fixes = []
-    if not access.inode_only:  # a bound file's directories are systemd's, inside the unit
-        closed = closed_directories(access.path, who)
-        if closed:
-            fixes.append(" && ".join(f"chmod {owner}+x {directory}" for directory, owner in closed))
+    closed = closed_directories(access.path, who)
+    if closed:
+        fixes.append(" && ".join(f"chmod {owner}+x {directory}" for directory, owner in closed))
     bits = READ | (SEARCH if opened.execute else 0)
     if not may(os.stat(access.path), who, bits):
         x = "x" if opened.execute else ""

@@ -12,7 +12,6 @@ import stat
 from pathlib import Path
 
 from appliance.facts.keys import bearer_token, parse_keys
-from appliance.plan.sandbox import hidden
 from appliance.spec.model import Spec
 from appliance.spec.problems import Problem, error, warning
 from appliance.system import paths
@@ -123,11 +122,11 @@ def _service_user_reads(path: Path) -> list[Problem]:
                 f"(a new one: install -m 0640 -o root -g {who.group_name} /dev/null {path})",
             )
         ]
-    # Bound into the units when the sandbox hides it (plan/sandbox.py): then only its own mode counts.
-    bound = bool(hidden(path))
-    unreachable = denied_as(who, [Access(path, inode_only=bound)]).get(Access(path, inode_only=bound))
+    # Every directory on the way counts, even where the units bind the file (plan/sandbox.py): `up` reads it
+    # as the service user with no sandbox.
+    unreachable = denied_as(who, [Access(path)]).get(Access(path))
     if unreachable:
-        closed = [] if bound else closed_directories(path, who)
+        closed = closed_directories(path, who)
         through = " && ".join(f"chmod {owner}+x {directory}" for directory, owner in closed)
         return [
             error(

@@ -54,7 +54,7 @@ def validate_loaded(
     keys = key_problems(spec) if key_files else []
     found = _name_problems(loaded.path) + spec_problems(loaded) + keys + _schedule_problems(spec)
     facts = facts or gather(spec)
-    box, sandbox_problems = sandbox(spec, str(facts.binary) if facts.binary else spec.server.binary)
+    box, sandbox_problems = sandbox(spec, str(facts.binary) if facts.binary else spec.server.binary, key_files)
     found += sandbox_problems
     if spec.fallback is not None and facts.router_missing:
         found.append(

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import grp
 import json
@@ -24,7 +23,6 @@ from typing import Any
 
 from appliance.system import paths
 
-PR_SET_DUMPABLE = 4
 PR_SET_KEEPCAPS = 8
 PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 47, 2
@@ -175,12 +173,11 @@ def reading(path: Path, who: Account) -> str | None:
 
 @dataclass(frozen=True)
 class Access:
-    """A file a unit opens, and how: read, or execute (the binary); `inode_only` when systemd binds it into the
-    unit's namespace (BindReadOnlyPaths=), where its directories are systemd's and only its own mode counts."""
+    """A file a unit opens, and how: read, or execute (the binary). Every directory on the way counts, also for
+    a file systemd binds into a unit: `up` opens the same path as the same user with no sandbox."""
 
     path: Path
     execute: bool = False
-    inode_only: bool = False
 
 
 def denied_as(who: Account, wanted: Sequence[Access]) -> dict[Access, str]:
@@ -217,28 +214,11 @@ def denied_as(who: Account, wanted: Sequence[Access]) -> dict[Access, str]:
 
 
 def _try_as(who: Account, wanted: Sequence[Access]) -> list[int]:
-    """In the child: open what systemd would bind while still root, become `who`, then ask the kernel."""
-    held: dict[Path, int] = {}
-    for access in wanted:
-        if access.inode_only:
-            with contextlib.suppress(OSError):  # nothing for systemd to bind either: refused below
-                held[access.path] = os.open(access.path, os.O_PATH)
+    """In the child: become `who`, then ask the kernel."""
     os.setgroups(list(who.groups))
     os.setgid(who.gid)
     os.setuid(who.uid)
-    # setuid made the process undumpable, which makes /proc/self root's; the held files are reached through it.
-    _prctl(ctypes.CDLL(None, use_errno=True), "PR_SET_DUMPABLE", PR_SET_DUMPABLE, 1)
-    refused = []
-    for i, access in enumerate(wanted):
-        mode = os.R_OK | (os.X_OK if access.execute else 0)
-        if access.inode_only:
-            fd = held.get(access.path)
-            allowed = fd is not None and os.access(f"/proc/self/fd/{fd}", mode)
-        else:
-            allowed = os.access(access.path, mode)
-        if not allowed:
-            refused.append(i)
-    return refused
+    return [i for i, a in enumerate(wanted) if not os.access(a.path, os.R_OK | (os.X_OK if a.execute else 0))]
 
 
 def refused_by_modes(who: Account, wanted: Sequence[Access]) -> dict[Access, str]:
@@ -247,10 +227,9 @@ def refused_by_modes(who: Account, wanted: Sequence[Access]) -> dict[Access, str
 
 
 def _reading_by_modes(access: Access, who: Account) -> str | None:
-    if not access.inode_only:
-        reason = reading(access.path, who)
-        if reason:
-            return reason
+    reason = reading(access.path, who)
+    if reason:
+        return reason
     try:
         status = os.stat(access.path)
     except OSError as exc:
