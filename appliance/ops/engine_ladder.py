@@ -151,10 +151,12 @@ def _reason(best: Trial, trials: list[Trial], pin: str) -> str:
         return f"pinned by the spec (engine.rung = {pin!r}): {best.summary()}"
     if best.rung == "as-built" and len(trials) == 1:
         return f"proven as built: {best.summary()}"
-    others = [t for t in trials if t is not best]
-    return f"kept {RUNG_MEANING[best.rung]}, the fastest that answered ({best.decode_tps:.1f} tok/s); " + "; ".join(
-        t.summary() for t in others
-    )
+    # The story in one line; each rung's whole figures or failure are the record's trials.
+    answered = [f"{t.rung} {t.decode_tps:.1f}" for t in trials if t.passed and t is not best]
+    failed = [f"{t.rung} {t.failure.split(';')[0].removeprefix('llama-server ')}" for t in trials if not t.passed]
+    story = f"kept {RUNG_MEANING[best.rung]}, the fastest that answered ({best.decode_tps:.1f} tok/s decode"
+    story += f"; also answered: {', '.join(answered)} tok/s)" if answered else ")"
+    return story + (f"; {'; '.join(failed)}" if failed else "")
 
 
 def ensure_proven(
