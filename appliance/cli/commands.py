@@ -250,7 +250,10 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def cmd_router(args: argparse.Namespace) -> int:
     from appliance.health.router import run_router
+    from appliance.health.router_beside_up import keep_beside_up
 
+    if args.beside_up:
+        return keep_beside_up(as_current_user=args.as_current_user)
     return run_router(args.config_dir, as_current_user=args.as_current_user)
 
 
