@@ -5,6 +5,7 @@
 - Killed past the server unit's start limit: `up` exits non-zero with one line, and leaves no llama-server, no
   router and no router directory in /tmp, checked by pid and by path; so for every other way `up` ends (Ctrl-C
   to its process group, SIGTERM, SIGKILL of `up` itself, an error after the router started).
+- Started by root from a Python the service user cannot read: refused before it drops, in one line.
 """
 
 from __future__ import annotations
@@ -14,22 +15,30 @@ import re
 import signal
 import socket
 import subprocess
+import sys
+import sysconfig
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import pydantic
 import pytest
 from conftest import UpProcess, start_up
 from prometheus_client.parser import text_string_to_metric_families
 from test_health_daemon import server_pids, wait_ready, wait_until
 from test_launch import LOAD_SECONDS, free_port, pid_alive
 
+import appliance
 from appliance.health.peers import read_peer
+from appliance.health.privileges import PrivilegeError, interpreter_paths, require_usable_interpreter
 from appliance.plan.start_limit import SERVER_START_LIMIT, StartLimit, StartWindow
 from appliance.runtime.server_api import ServerApi
 from appliance.system import metric_names as metric
+from appliance.system.users import account
 
+SERVICE = account()
+AS_ROOT = os.geteuid() == 0 and SERVICE is not None
 ROUTER_DIR = re.compile(r"router --config-dir (/\S+)")
 # `up` stops the router and waits for its keeper; a busy 2-core box gets this long for it.
 EXIT_SECONDS = 120.0
@@ -246,3 +255,53 @@ def test_the_server_unit_and_up_read_the_same_start_limit(example: Callable[...,
     assert service_settings(rendered)["RestartSec"] == [f"{SERVER_START_LIMIT.delay_seconds}s"]
     assert f"StartLimitIntervalSec={SERVER_START_LIMIT.interval_seconds}\n" in rendered
     assert f"StartLimitBurst={SERVER_START_LIMIT.burst}\n" in rendered
+
+
+# -- a Python the service user cannot read --
+
+
+def test_what_up_reads_after_it_drops_is_its_interpreter_and_the_directories_it_imports_from() -> None:
+    needed = interpreter_paths()
+    assert needed[0] == Path(sys.executable)
+    assert Path(os.__file__).parent in needed  # the standard library
+    for package in (pydantic, appliance):  # the virtualenv's site-packages, the appliance's source
+        assert any(Path(str(package.__file__)).is_relative_to(p) for p in needed[1:]), (package, needed)
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="needs root and the llm-appliance user (install.sh creates it)")
+def test_a_python_under_a_closed_directory_is_refused_in_one_line(tmp_path: Path) -> None:
+    assert SERVICE is not None
+    require_usable_interpreter(SERVICE)  # this one (the tests' venv of /usr/bin/python3) is fine
+    closed = tmp_path / "pyenv"  # pytest's directories are root's, 0700
+    (closed / "lib").mkdir(parents=True)
+    with pytest.raises(PrivilegeError) as refused:
+        require_usable_interpreter(SERVICE, [Path(sys.executable), closed / "lib"])
+    said = str(refused.value)
+    assert "\n" not in said
+    assert f"a directory it imports from, {closed / 'lib'}: " in said
+    assert "(mode 0700) does not let llm-appliance reach it" in said
+    assert said.endswith("or pass --as-current-user") and "/usr/bin/python3 -m venv" in said
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="needs root and the llm-appliance user (install.sh creates it)")
+def test_up_from_a_virtualenv_the_service_user_cannot_read_refuses_before_dropping(
+    example: Callable[..., Path], tmp_path: Path
+) -> None:
+    venv = tmp_path / "closed" / "venv"  # under pytest's 0700 directories: as a Python under /root is
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--copies", "--without-pip", str(venv)], check=True)
+    # The appliance and its packages from where the tests' own run has them; the interpreter is the closed one.
+    search = [str(Path(str(appliance.__file__)).parent.parent), sysconfig.get_paths()["purelib"]]
+    state = tmp_path / "state"
+    shown = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "appliance.cli.main", "up", str(demo(example)), "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=EXIT_SECONDS,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(search)},
+    )
+    refusals = [line for line in shown.stderr.splitlines() if line.startswith("up: ")]
+    assert shown.returncode == 2 and len(refusals) == 1, shown.stderr
+    assert f"its interpreter, {venv / 'bin' / 'python'}: " in refusals[0]
+    assert "run `up` from a virtualenv of /usr/bin/python3" in refusals[0]
+    assert "Traceback" not in shown.stderr
+    assert not state.exists()  # refused before anything was made or started

@@ -19,6 +19,7 @@ from appliance.health.privileges import (
     AS_CURRENT_USER,
     become,
     prepare,
+    require_usable_interpreter,
     say_what_is_not_enforced,
     service_user,
 )
@@ -197,6 +198,8 @@ def up(appliance: Appliance, stop_timeout: float, as_current_user: bool = False)
     is restarted when it dies, within the server unit's start limit; nothing `up` started outlives it."""
     dropping = os.geteuid() == 0 and not as_current_user
     who = service_user("up") if dropping else None
+    if who is not None:
+        require_usable_interpreter(who)  # refused here, before anything is started
     # The router holds the upstream's key: started while root can still give it a user of its own, and a keeper
     # that stays root to end it.
     router = RouterBesideUp.start(appliance, as_current_user)
