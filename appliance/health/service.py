@@ -31,7 +31,7 @@ from appliance.plan.resolved import Appliance
 from appliance.plan.start_limit import SERVER_START_LIMIT
 from appliance.runtime.launch import Launcher, LaunchPlan
 from appliance.runtime.notify import Notifier
-from appliance.runtime.running import announced
+from appliance.runtime.running import Announcement, announced
 from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
 from appliance.system import paths
 
@@ -192,10 +192,11 @@ class LauncherControl:
         self.launcher.request_restart()
 
 
-def up(appliance: Appliance, stop_timeout: float, as_current_user: bool = False) -> int:
+def up(appliance: Appliance, spec: Path, stop_timeout: float, as_current_user: bool = False) -> int:
     """Launcher in the foreground, health daemon and exporter beside it; Ctrl-C stops both. Started by root, it
     becomes the service user first (unless `as_current_user`, for tests), as the units' User= would. llama-server
     is restarted when it dies, within the server unit's start limit; nothing `up` started outlives it."""
+    spec = spec.absolute()  # named in its announcement; `become` changes the working directory
     dropping = os.geteuid() == 0 and not as_current_user
     who = service_user("up") if dropping else None
     if who is not None:
@@ -211,13 +212,13 @@ def up(appliance: Appliance, stop_timeout: float, as_current_user: bool = False)
             say_what_is_not_enforced(who, ruleset)
         elif os.geteuid() == 0:
             print(AS_CURRENT_USER, file=sys.stderr, flush=True)
-        return _serve_up(appliance, stop_timeout)
+        return _serve_up(appliance, spec, stop_timeout)
     finally:
         if router is not None:
             router.stop()
 
 
-def _serve_up(appliance: Appliance, stop_timeout: float) -> int:
+def _serve_up(appliance: Appliance, spec: Path, stop_timeout: float) -> int:
     # Where `restart` hands its requests to the daemon: there from the start, as StateDirectory= makes it.
     appliance.state_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     metrics = Metrics()
@@ -233,7 +234,7 @@ def _serve_up(appliance: Appliance, stop_timeout: float) -> int:
     thread.start()
     log.info("health daemon exporting metrics on %s", appliance.exporter.url)
     # What `status` finds out that this appliance runs, and how (runtime/running.py).
-    with announced(appliance.state_file.parent):
+    with announced(appliance.state_file.parent, Announcement(str(spec), appliance)):
         try:
             return launcher.run()
         finally:
