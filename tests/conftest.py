@@ -186,14 +186,16 @@ def home_dir() -> Iterator[Path]:
     shutil.rmtree(top, ignore_errors=True)
 
 
-def start_up(spec: Path, *options: str | Path) -> tuple[subprocess.Popen[str], list[str]]:
-    """`llm-appliance up SPEC OPTIONS` in the background; its output lines collect in the list as they come."""
+def start_up(spec: Path, *options: str | Path, new_session: bool = False) -> tuple[subprocess.Popen[str], list[str]]:
+    """`llm-appliance up SPEC OPTIONS` in the background; its output lines collect in the list as they come.
+    `new_session`: in a process group of its own, as a shell runs a foreground job (Ctrl-C signals the group)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "appliance.cli.main", "up", str(spec), *map(str, options)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=new_session,
     )
     output: list[str] = []
     threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]

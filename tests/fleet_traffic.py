@@ -475,18 +475,20 @@ def induced_decay(fleet: Fleet, load: Load, monitor: ReadyMonitor) -> dict[str, 
 
 
 def kill_server(fleet: Fleet, load: Load, monitor: ReadyMonitor) -> dict[str, Any]:
-    """kill -9 of KILL_HOST's llama-server under load: `up` exits with it, HAProxy's checks take it out."""
+    """kill -9 of KILL_HOST's llama-server under load: HAProxy's checks take it out (1 s x fall 2), and its `up`
+    starts llama-server again RestartSec= (5 s) later, as the server unit's Restart= would."""
     host = fleet.hosts[KILL_HOST]
     pid = host.server_pid()
     in_flight = fleet.server_sessions(KILL_HOST)
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     fleet.say(f"{KILL_HOST}: kill -9 llama-server (pid {pid}); HAProxy had {in_flight} request(s) on it")
-    wait_until(
-        lambda: host.up is not None and not host.up.alive(),
-        60,
-        lambda: f"{KILL_HOST}'s `up` to exit\n{fleet.timeline()}",
-    )
-    fleet.say(f"{KILL_HOST}: `up` exited ({host.up.process.returncode if host.up else None})")
     fleet.wait_balancer(set(fleet.hosts) - {KILL_HOST})
+
+    def started_again() -> bool:
+        assert host.up is not None and host.up.alive(), f"{KILL_HOST}'s `up` exited:\n{fleet.timeline()}"
+        return host.server_pid() != pid
+
+    wait_until(started_again, 60, lambda: f"{KILL_HOST}'s `up` to start llama-server again\n{fleet.timeline()}")
+    fleet.say(f"{KILL_HOST}: `up` started llama-server again (pid {host.server_pid()})")
     return {"_killed_at": killed_at, "in flight on it at the kill (HAProxy)": in_flight}

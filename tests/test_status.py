@@ -11,16 +11,28 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import UpProcess
+from conftest import UpProcess, resolved
 from test_health_daemon import server_pids, wait_ready, wait_until
 from test_launch import free_port
 
+from appliance.cli import commands
+from appliance.cli.main import main
 from appliance.health.peers import Peer
 from appliance.ops.status import EXIT, Status, Unit, assess, format_status
-from appliance.runtime.running import PID_FILE, announced, is_up, running_up, start_time
+from appliance.runtime.running import (
+    ANNOUNCEMENT_FILE,
+    PID_FILE,
+    Announcement,
+    announced,
+    announcement,
+    is_up,
+    running_up,
+    start_time,
+)
 from appliance.system import paths
 
 SYSTEMD_IS_INIT = Path("/run/systemd/system").is_dir()
@@ -56,7 +68,8 @@ def test_status_of_the_real_demo_healthy_then_down_then_healthy(
     wait_until(lambda: status(spec, state).returncode == EXIT["healthy"], 120, lambda: status(spec, state).stdout)
     shown = status(spec, state)
     lines = shown.stdout.splitlines()
-    assert lines[0] == f"llm-appliance: HEALTHY (/etc/llm-appliance/{spec.name}, `llm-appliance up`, pid {process.pid})"
+    # What runs is named: the spec `up` was given (runtime/running.py's announcement).
+    assert lines[0] == f"llm-appliance: HEALTHY ({spec}, `llm-appliance up`, pid {process.pid})"
     assert "server   /health ok; /ready ready" in lines
     assert any(line.startswith("versions ") and "llama_cpp" in line for line in lines), shown.stdout
     assert not any("systemctl" in line for line in lines), shown.stdout
@@ -90,6 +103,87 @@ def test_status_of_the_real_demo_healthy_then_down_then_healthy(
     assert shown.stdout.startswith(f"llm-appliance: DOWN (/etc/llm-appliance/{spec.name}, nothing runs it)")
     assert "  ! nothing runs the appliance: " in shown.stdout
     assert json.loads(status(spec, state, "--json").stdout)["mode"] is None
+
+
+@pytest.mark.engine
+def test_status_under_an_up_of_another_spec_describes_what_runs_not_the_applied_snapshot(
+    example: Callable[..., Path],
+    appliance_up: UpProcess,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The issue's case: demo.toml applied, `llm-appliance up OTHER.toml` running, `status` with no arguments.
+    The applied snapshot is written where this test keeps it (not in this machine's /etc), its state directory
+    the `up`'s, as the default state directory is both under install.sh's demo."""
+    state = tmp_path / "state"
+    applied = replace(resolved(example("demo.toml")), state_file=state / "health-state.json")
+    snapshot = tmp_path / "etc/llm-appliance/rendered/appliance.json"
+    snapshot.parent.mkdir(parents=True)
+    snapshot.write_text(applied.to_json("applied by the test"))
+    monkeypatch.setattr(commands, "SNAPSHOT", snapshot)
+    other = calm_demo(example).rename(tmp_path / "other.toml")  # another spec, on other ports
+    process, output = appliance_up(other)
+    wait_ready(process, output, 1)
+
+    def shown(*options: str) -> tuple[int, str]:
+        code = main(["status", *options])
+        return code, capsys.readouterr().out
+
+    wait_until(lambda: shown()[0] == EXIT["healthy"], 120, lambda: shown()[1])
+    lines = shown()[1].splitlines()
+    assert lines[0] == f"llm-appliance: HEALTHY ({other}, `llm-appliance up`, pid {process.pid})", lines
+    assert "server   /health ok; /ready ready" in lines  # other.toml's server: nothing listens on demo.toml's
+    assert f"spec     {other} is not what is applied ({applied.spec_file} is)" in lines
+    assert "spec     is what is applied" not in lines
+    document = json.loads(shown("--json")[1])
+    assert (document["spec_file"], document["is_applied"], document["applied_spec"]) == (
+        str(other),
+        False,
+        str(applied.spec_file),
+    )
+    assert document["spec_differences"] == []  # the snapshot is not held against what it does not describe
+
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0
+    assert not (state / ANNOUNCEMENT_FILE).exists()
+    code, text = shown()
+    assert code == EXIT["down"] and text.startswith(f"llm-appliance: DOWN ({applied.spec_file}, nothing runs it)")
+
+
+def test_what_an_up_announces_counts_only_for_the_up_that_runs(tmp_path: Path, example: Callable[..., Path]) -> None:
+    appliance = resolved(example("demo.toml"))
+    state = tmp_path / "state"
+    state.mkdir()
+    with announced(state, Announcement("/srv/other.toml", appliance)):
+        said = announcement(state, os.getpid())
+        assert said == Announcement("/srv/other.toml", appliance)
+        assert json.loads((state / ANNOUNCEMENT_FILE).read_text())["pid"] == os.getpid()
+        assert announcement(state, os.getppid()) is None  # another process's pid: not its announcement
+    assert not (state / ANNOUNCEMENT_FILE).exists() and not (state / PID_FILE).exists()
+    # What the service user could leave there: garbage, a link, an appliance no snapshot reads.
+    (state / ANNOUNCEMENT_FILE).write_text("{")
+    assert announcement(state, os.getpid()) is None
+    (state / ANNOUNCEMENT_FILE).unlink()
+    (state / ANNOUNCEMENT_FILE).symlink_to(tmp_path / "elsewhere.json")
+    assert announcement(state, os.getpid()) is None
+    (state / ANNOUNCEMENT_FILE).unlink()
+    own: dict[str, object] = {
+        "pid": os.getpid(),
+        "started": start_time(os.getpid()),
+        "spec": "/x.toml",
+        "appliance": {"resolved": {}},
+    }
+    (state / ANNOUNCEMENT_FILE).write_text(json.dumps(own))
+    assert announcement(state, os.getpid()) is None
+
+
+def test_the_spec_line_of_an_appliance_that_is_not_the_applied_one() -> None:
+    lines = format_status(_seen(spec_file="/srv/other.toml", is_applied=False, applied_spec="/etc/x.toml"))
+    assert "spec     /srv/other.toml is not what is applied (/etc/x.toml is)" in lines.splitlines()
+    nothing = format_status(_seen(spec_file="/srv/other.toml", is_applied=False))
+    assert "spec     /srv/other.toml is not what is applied (nothing is)" in nothing.splitlines()
+    assert "spec     is what is applied" in format_status(_seen()).splitlines()
 
 
 def test_status_with_nothing_running_is_down(example: Callable[..., Path], tmp_path: Path) -> None:

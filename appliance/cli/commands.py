@@ -171,19 +171,34 @@ def spec_schema() -> dict[str, object]:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """How the appliance is doing, and whether the spec on disk is what runs; the exit code of a monitoring plugin
-    (0 healthy, 1 degraded, 2 down, 3 unknown). Under `up` (nothing applied): name the spec `up` runs."""
+    (0 healthy, 1 degraded, 2 down, 3 unknown). What an `up` runs is what it describes, whatever is applied."""
     from appliance.ops.status import EXIT, EXIT_UNKNOWN, format_status, gather
+    from appliance.runtime.running import announcement, running_up
 
     snapshot = args.root / SNAPSHOT.relative_to("/")
     try:
-        # --state-dir, or a spec and nothing applied: the appliance `up` runs from that spec. Which of systemd
-        # and `up` runs it (if either does) gather finds out.
-        if args.state_dir is None and (snapshot.exists() or args.spec is None):
-            running = Appliance.read(snapshot)
+        applied = Appliance.read(snapshot) if snapshot.exists() else None
+        state_dir = args.state_dir or (applied.state_file.parent if applied else paths.STATE)
+        pid = running_up(state_dir) if args.root == Path("/") else None
+        runs = announcement(state_dir, pid) if pid is not None else None
+        if runs is not None:
+            # An `up` says what it runs, of whichever spec: that is described.
+            running, spec_path = runs.appliance, Path(runs.spec)
+        elif args.state_dir is None and (applied is not None or args.spec is None):
+            # No `up` of this state directory runs: the applied appliance, which systemd may run.
+            running = applied or Appliance.read(snapshot)
             spec_path = args.spec or args.root / running.spec_file.relative_to("/")
-            differences = _spec_differences(running, spec_path, args.root)
+        elif args.spec is not None:
+            # A spec and its --state-dir (or nothing applied): the appliance an `up` of it would run.
+            running, spec_path = _appliance(args.spec, state_dir), args.spec
         else:
-            running, differences = _appliance(args.spec, args.state_dir or paths.STATE), []
+            print(
+                f"status: no `llm-appliance up` runs with state directory {state_dir}; name its spec", file=sys.stderr
+            )
+            return EXIT_UNKNOWN
+        # The spec on disk is held against the applied snapshot only where what runs is that snapshot.
+        is_applied = applied is not None and running.document() == applied.document()
+        differences = _spec_differences(running, args.spec or spec_path, args.root) if is_applied else []
     except (SnapshotError, SpecInvalid) as exc:
         print(f"status: {exc}", file=sys.stderr)
         return EXIT_UNKNOWN
@@ -195,7 +210,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"spec: {spec_path} differs from what is applied; the running appliance still uses the applied one")
         print("\n".join(f"  {line}" for line in differences))
         return 1
-    seen = gather(running, differences)
+    seen = gather(
+        running,
+        differences,
+        spec_file=runs.spec if runs else None,
+        applied_spec=str(applied.spec_file) if applied else None,
+        is_applied=is_applied,
+    )
     print(json.dumps(seen.document(), indent=2) if args.json else format_status(seen))
     return EXIT[seen.health]
 
@@ -225,7 +246,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"llm-appliance up: serving {args.spec} at {appliance.server.url} in the foreground; Ctrl-C stops it",
         file=sys.stderr,
     )
-    return up(appliance, args.stop_timeout, as_current_user=args.as_current_user)
+    return up(appliance, args.spec, args.stop_timeout, as_current_user=args.as_current_user)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -236,7 +257,10 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def cmd_router(args: argparse.Namespace) -> int:
     from appliance.health.router import run_router
+    from appliance.health.router_beside_up import keep_beside_up
 
+    if args.beside_up:
+        return keep_beside_up(as_current_user=args.as_current_user)
     return run_router(args.config_dir, as_current_user=args.as_current_user)
 
 

@@ -174,6 +174,12 @@ def _unit_commands(command: Command) -> None:
         help="where render wrote router.json, config.yaml, the gate",
     )
     p.add_argument("--as-current-user", action="store_true", help=f"started by root: do not become {paths.ROUTER_USER}")
+    p.add_argument(
+        "--beside-up",
+        action="store_true",
+        help="`up`'s: read the appliance from stdin, render its router into a directory of its own and run it, "
+        "until stdin closes (`up` is gone); then stop it and remove the directory",
+    )
     _snapshot_option(
         command(
             "check-versions",

@@ -11,13 +11,14 @@ import os
 import shutil
 import stat
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from appliance.plan.resolved import Appliance
 from appliance.render.render import render
 from appliance.system import paths
 from appliance.system.run import run
-from appliance.system.users import Account, account, drop_to, exposure
+from appliance.system.users import Access, Account, account, denied_as, drop_to, exposure
 
 STATE_MODE = 0o700
 NOT_ENFORCED = (
@@ -50,6 +51,34 @@ def service_user(command: str) -> Account:
             )
         )
     return who
+
+
+def interpreter_paths() -> list[Path]:
+    """What this process still reads once it has dropped: its interpreter, and each directory of sys.path it has
+    imported from (the standard library, its C extensions, the virtualenv's site-packages, the appliance's own
+    source), where what it imports later comes from (the idna codec at the exporter's first bind)."""
+    entries = [entry for entry in sys.path if os.path.isabs(entry) and os.path.isdir(entry)]
+    files = [
+        file for module in list(sys.modules.values()) if isinstance(file := getattr(module, "__file__", None), str)
+    ]
+    used = [entry for entry in entries if any(file.startswith(os.path.join(entry, "")) for file in files)]
+    return [Path(sys.executable), *map(Path, dict.fromkeys(used))]
+
+
+def require_usable_interpreter(who: Account, needed: Sequence[Path] | None = None) -> None:
+    """Refuse before dropping when `who` could not go on running this Python (one built under /root, say):
+    after the drop it would die at its next import, with a traceback that names no file."""
+    wanted = [Access(path, execute=True) for path in (interpreter_paths() if needed is None else needed)]
+    refused = denied_as(who, wanted)
+    if not refused:
+        return
+    access, reason = next(iter(refused.items()))
+    what = "its interpreter" if access.path == Path(sys.executable) else "a directory it imports from"
+    raise PrivilegeError(
+        f"{who.name} could not go on running this Python once `up` becomes it: {what}, {access.path}: {reason}; "
+        f"run `up` from a virtualenv of /usr/bin/python3 (`/usr/bin/python3 -m venv DIR`, as install.sh makes "
+        f"{paths.VENV}), or pass --as-current-user"
+    )
 
 
 def prepare(appliance: Appliance, who: Account) -> str:

@@ -1,28 +1,22 @@
-"""The router unit's entry point (`llm-appliance router`), and the router beside `up`.
+"""The router unit's entry point (`llm-appliance router`); beside `up` its keeper starts it (router_beside_up.py).
 
 LiteLLM's proxy runs from its own virtualenv (paths.ROUTER_VENV) with the config and the /ready gate that
 render wrote (render/render.py ROUTER_FILES). The keys reach it through its environment, read here from their
-files: never through its command line, its unit or its config, and nothing logs them. Started by root (`up`), it
-becomes the router's own user once the keys are read, so the upstream's key is the router's and root's alone.
+files: never through its command line, its unit or its config, and nothing logs them. Started by root (`up`'s
+keeper), it becomes the router's own user once the keys are read, so the upstream's key is the router's and root's
+alone.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
-import tempfile
 from pathlib import Path
 
-from appliance.plan.resolved import Appliance
 from appliance.plan.router import ROUTER_FILE, Router, RouterFileError
-from appliance.render.render import render
-from appliance.render.router_files import CONFIG_DIR
 from appliance.runtime.server_api import read_api_key
 from appliance.runtime.server_process import die_with_parent
 from appliance.system import paths
-from appliance.system.files import write_atomically
-from appliance.system.run import Popen, spawn
 from appliance.system.users import account, drop_to
 
 log = logging.getLogger("llm-appliance.router")
@@ -93,24 +87,10 @@ def run_router(config_dir: Path, as_current_user: bool = False) -> int:
             )
         drop_to(who)
         environment.update(HOME="/tmp", USER=who.name, LOGNAME=who.name)
-    # Started by `up`: gone with it, even once `up` (the service user by then) may no longer signal it. Set after
+    # Started beside `up` by its keeper (router_beside_up.py): gone with the keeper, however that ends. Set after
     # the drop, which clears it; execve keeps it.
     die_with_parent()
     argv = router_argv(router, config_dir)
     log.info("+ %s", " ".join(argv))
     os.execve(argv[0], argv, environment)
     return 1  # pragma: no cover - execve does not return
-
-
-def start_beside_up(appliance: Appliance, as_current_user: bool) -> Popen[str] | None:
-    """`up` with [fallback]: the router's files rendered into a directory of root's (its user reads, nobody
-    else writes: it loads the gate as code), and the router started from them, before `up` drops."""
-    if appliance.router is None:
-        return None
-    directory = Path(tempfile.mkdtemp(prefix="llm-appliance-router-"))
-    directory.chmod(0o755)
-    for relative, text in render(appliance).items():
-        if relative.startswith(CONFIG_DIR):
-            write_atomically(directory / Path(relative).name, text, mode=0o644)
-    argv = [sys.executable, "-m", "appliance.cli", "router", "--config-dir", str(directory)]
-    return spawn(argv + (["--as-current-user"] if as_current_user else []))

@@ -3,7 +3,6 @@ and `llm-appliance up` (launcher and daemon together, no systemd)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -16,17 +15,24 @@ from appliance.facts.gpu import Pynvml
 from appliance.health import versions
 from appliance.health.daemon import DaemonConfig, HealthDaemon
 from appliance.health.exporter import Metrics, Readiness, serve
-from appliance.health.privileges import AS_CURRENT_USER, become, prepare, say_what_is_not_enforced, service_user
+from appliance.health.privileges import (
+    AS_CURRENT_USER,
+    become,
+    prepare,
+    require_usable_interpreter,
+    say_what_is_not_enforced,
+    service_user,
+)
 from appliance.health.requests import DrainRequests, Reason, RestartRequests
-from appliance.health.router import start_beside_up
+from appliance.health.router_beside_up import RouterBesideUp
 from appliance.health.state import RestartLog
 from appliance.health.units import SystemdUnit, UnitError
 from appliance.plan.resolved import Appliance
+from appliance.plan.start_limit import SERVER_START_LIMIT
 from appliance.runtime.launch import Launcher, LaunchPlan
 from appliance.runtime.notify import Notifier
-from appliance.runtime.running import announced
+from appliance.runtime.running import Announcement, announced
 from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
-from appliance.runtime.server_process import stop
 from appliance.system import paths
 
 log = logging.getLogger("llm-appliance.health")
@@ -186,40 +192,51 @@ class LauncherControl:
         self.launcher.request_restart()
 
 
-def up(appliance: Appliance, stop_timeout: float, as_current_user: bool = False) -> int:
+def up(appliance: Appliance, spec: Path, stop_timeout: float, as_current_user: bool = False) -> int:
     """Launcher in the foreground, health daemon and exporter beside it; Ctrl-C stops both. Started by root, it
-    becomes the service user first (unless `as_current_user`, for tests), as the units' User= would."""
-    # The router holds the upstream's key: started while root can still give it a user of its own.
-    router = start_beside_up(appliance, as_current_user)
-    if os.geteuid() == 0 and not as_current_user:
-        who = service_user("up")
-        ruleset = prepare(appliance, who)
-        # A port below 1024 (the server's or the exporter's): the one capability, as the units grant it.
-        become(who, appliance.state_file.parent, appliance.server.privileged or appliance.exporter.privileged)
-        say_what_is_not_enforced(who, ruleset)
-    elif os.geteuid() == 0:
-        print(AS_CURRENT_USER, file=sys.stderr, flush=True)
+    becomes the service user first (unless `as_current_user`, for tests), as the units' User= would. llama-server
+    is restarted when it dies, within the server unit's start limit; nothing `up` started outlives it."""
+    spec = spec.absolute()  # named in its announcement; `become` changes the working directory
+    dropping = os.geteuid() == 0 and not as_current_user
+    who = service_user("up") if dropping else None
+    if who is not None:
+        require_usable_interpreter(who)  # refused here, before anything is started
+    # The router holds the upstream's key: started while root can still give it a user of its own, and a keeper
+    # that stays root to end it.
+    router = RouterBesideUp.start(appliance, as_current_user)
+    try:
+        if who is not None:
+            ruleset = prepare(appliance, who)
+            # A port below 1024 (the server's or the exporter's): the one capability, as the units grant it.
+            become(who, appliance.state_file.parent, appliance.server.privileged or appliance.exporter.privileged)
+            say_what_is_not_enforced(who, ruleset)
+        elif os.geteuid() == 0:
+            print(AS_CURRENT_USER, file=sys.stderr, flush=True)
+        return _serve_up(appliance, spec, stop_timeout)
+    finally:
+        if router is not None:
+            router.stop()
+
+
+def _serve_up(appliance: Appliance, spec: Path, stop_timeout: float) -> int:
     # Where `restart` hands its requests to the daemon: there from the start, as StateDirectory= makes it.
     appliance.state_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    spec = appliance.spec
     metrics = Metrics()
     readiness = Readiness(metrics)
     serve(metrics, appliance.exporter.host, appliance.exporter.port, readiness)
-    launcher = Launcher(LaunchPlan.of(appliance), stop_timeout=stop_timeout)
+    launcher = Launcher(LaunchPlan.of(appliance), stop_timeout=stop_timeout, start_limit=SERVER_START_LIMIT)
     daemon = HealthDaemon(DaemonConfig(appliance), LauncherControl(launcher), Pynvml(), metrics, readiness=readiness)
-    # The daemon's READY/STATUS must not reach the launcher's socket: one process, one notifier.
+    # The daemon's READY/STATUS must not reach the launcher's socket: one process, one notifier. It watches on
+    # while the launcher restarts llama-server, and stops with the launcher.
     thread = threading.Thread(
         target=daemon.run, args=(launcher.stop_requested, Notifier(enabled=False)), daemon=True, name="health"
     )
     thread.start()
     log.info("health daemon exporting metrics on %s", appliance.exporter.url)
     # What `status` finds out that this appliance runs, and how (runtime/running.py).
-    with announced(appliance.state_file.parent):
-        code = launcher.run()
-        launcher.stop_requested.set()
-        thread.join(timeout=spec.health.interval_seconds + 5)
-        if router is not None:
-            # A router of its own user is `up`'s no longer to signal: it dies with `up` (its parent-death signal).
-            with contextlib.suppress(PermissionError):
-                stop(router)
-    return code
+    with announced(appliance.state_file.parent, Announcement(str(spec), appliance)):
+        try:
+            return launcher.run()
+        finally:
+            launcher.stop_requested.set()
+            thread.join(timeout=appliance.spec.health.interval_seconds + 5)

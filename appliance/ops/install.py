@@ -317,4 +317,4 @@ def main_install(repo: Path, spec: Path | None, demo: bool, root: Path, start: b
         flush=True,
     )
     result = validate(installed)
-    return up(resolve(result.plan, installed), stop_timeout=30.0)
+    return up(resolve(result.plan, installed), installed, stop_timeout=30.0)

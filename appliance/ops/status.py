@@ -4,7 +4,9 @@ Everything comes from where the running appliance publishes it: systemd (unit st
 (/health), the health daemon's exporter (/metrics, /ready), the restart history, and the spec on disk against the
 applied snapshot. Under `up` (no systemd) the same, less the units. What runs the appliance is found out, not
 assumed: systemd when it is PID 1 and the units are loaded, `up` when an `up` of the state directory runs (its pid
-file, runtime/running.py), else nothing. `gather` asks; `assess` and `format_status` are pure.
+file, runtime/running.py), else nothing. An `up` of another spec than the applied one is described as it runs
+(what it announced), and the applied snapshot is not held against it. `gather` asks; `assess` and `format_status`
+are pure.
 """
 
 from __future__ import annotations
@@ -60,8 +62,10 @@ class Unit:
 @dataclass
 class Status:
     mode: Mode | None
-    spec_file: str
+    spec_file: str  # what runs: the spec an `up` was given, else the applied (or the named) spec
     state_dir: str = ""
+    is_applied: bool = True  # what is described is the applied snapshot (else an `up` of another spec, say)
+    applied_spec: str | None = None  # the applied snapshot's spec; None: nothing is applied
     systemd_is_init: bool = False  # /run/systemd/system exists, as sd_booted(3) asks
     up_pid: int | None = None  # the `up` that runs the appliance
     units: list[Unit] = field(default_factory=list)
@@ -127,10 +131,24 @@ class Status:
         return shown
 
 
-def gather(appliance: Appliance, spec_differences: list[str]) -> Status:
+def gather(
+    appliance: Appliance,
+    spec_differences: list[str],
+    spec_file: str | None = None,
+    applied_spec: str | None = None,
+    is_applied: bool = True,
+) -> Status:
+    """What runs `appliance`, and how it does; `spec_file`: the spec to name (default the appliance's)."""
     spec = appliance.spec
     state = appliance.state_file.parent
-    seen = Status(None, str(appliance.spec_file), str(state), spec_differences=spec_differences)
+    seen = Status(
+        None,
+        spec_file or str(appliance.spec_file),
+        str(state),
+        is_applied,
+        applied_spec,
+        spec_differences=spec_differences,
+    )
     seen.pins = {k: str(v) for k, v in spec.versions.model_dump().items() if v and k != "on_mismatch"}
     seen.decay_ratio = spec.health.decay_ratio
     seen.up_pid = running_up(state)
@@ -293,7 +311,10 @@ def _screen(seen: Status) -> list[str]:
     pending = _pending(seen)
     if pending:
         lines.append(f"pending  {pending}")
-    if seen.spec_differences:
+    if not seen.is_applied:
+        applied = f"{seen.applied_spec} is" if seen.applied_spec else "nothing is"
+        lines.append(f"spec     {seen.spec_file} is not what is applied ({applied})")
+    elif seen.spec_differences:
         lines.append("spec     differs from what is applied (`llm-appliance apply` it):")
         lines += [f"  {line}" for line in seen.spec_differences]
     else:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from appliance import __version__
 from appliance.plan.endpoint import Endpoint
 from appliance.plan.resolved import SNAPSHOT, Appliance
+from appliance.plan.start_limit import SERVER_START_LIMIT, StartLimit
 from appliance.render.dashboard import dashboard_json
 from appliance.render.promql import label_matchers, quoted, series
 from appliance.render.router_files import RouterPlace, RouterView, router_files, router_view
@@ -54,6 +55,7 @@ class View:
     randomized_delay_seconds: int
     watchdog_seconds: int
     health_watchdog_seconds: int
+    start_limit: StartLimit  # the server unit's Restart= budget, which `up` keeps too
     restart_unit: str
     server_unit: str
     health_unit: str
@@ -117,6 +119,7 @@ def view(appliance: Appliance) -> View:
         randomized_delay_seconds=spec.restart.randomized_delay_seconds,
         watchdog_seconds=spec.health.watchdog_seconds,
         health_watchdog_seconds=appliance.health_watchdog_seconds,
+        start_limit=SERVER_START_LIMIT,
         restart_unit=paths.RESTART_UNIT,
         server_unit=paths.SERVER_UNIT,
         health_unit=paths.HEALTH_UNIT,

@@ -4,6 +4,9 @@ llama-server answers HTTP before its model is loaded (/health says 503 until the
 tell "started" from "ready". The launcher sends READY=1 only once /health answers 200, WATCHDOG=1 only
 while it keeps answering (a wedged server stops the pings and systemd's watchdog restarts it), stops the
 child gracefully on SIGTERM, and checks that the draft model is really drafting.
+
+Under systemd the launcher exits when llama-server dies and the unit's Restart= starts it again. `up` has no
+systemd: its launcher restarts llama-server itself, within the unit's own start limit (plan/start_limit.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from types import FrameType
 
 from appliance.plan.resolved import Appliance
+from appliance.plan.start_limit import StartLimit, StartWindow
 from appliance.runtime.notify import Notifier, watchdog_interval
 from appliance.runtime.server_api import ServerApi, ServerUnreachable, read_api_key
 from appliance.runtime.server_death import LAST_EXIT, describe_exit, engine_facts
@@ -73,8 +77,16 @@ class LaunchPlan:
 
 
 class Launcher:
-    def __init__(self, plan: LaunchPlan, notifier: Notifier | None = None, stop_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        notifier: Notifier | None = None,
+        stop_timeout: float = 30.0,
+        start_limit: StartLimit | None = None,
+    ) -> None:
+        """`start_limit`: restart llama-server when it dies, within this limit (`up`); None: exit (systemd)."""
         self.plan = plan
+        self.start_limit = start_limit
         self.notifier = notifier or Notifier()
         self.stop_timeout = stop_timeout
         self.api = ServerApi(plan.base_url, read_api_key(plan.api_key_file), timeout=5.0)
@@ -103,17 +115,63 @@ class Launcher:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         signal.signal(signal.SIGHUP, self._on_sighup)
-        while True:
-            outcome = self._start()
-            if outcome is None:
-                outcome = self._serve()
-            if outcome is not None:
-                return outcome
-            self.notifier.send("RELOADING=1", "STATUS=restarting llama-server")
+        starts = StartWindow(self.start_limit) if self.start_limit else None
+        if starts is not None:
+            starts.allows(time.monotonic())  # the first start counts, as systemd counts it
+        served = False
+        try:
+            while True:
+                outcome = self._start()
+                if outcome is None:
+                    served = True
+                    outcome = self._serve()
+                if outcome is None:
+                    self.notifier.send("RELOADING=1", "STATUS=restarting llama-server")
+                    continue
+                # A first load that fails ends it: nothing has served yet, the spec or the engine is at fault,
+                # and a retry would fail the same way.
+                if self.stop_requested.is_set() or starts is None or not served:
+                    return outcome
+                stopped = self._wait_to_restart(starts, outcome)
+                if stopped is not None:
+                    return stopped
+        finally:
+            # Whatever ends the loop (an exception too): llama-server goes with it, not at interpreter exit.
+            if self.child is not None:
+                self._terminate_child()
+
+    def _wait_to_restart(self, starts: StartWindow, outcome: int) -> int | None:
+        """After llama-server died: None once it is time to start it again (RestartSec=), else the exit code,
+        when the start limit is reached or a stop comes meanwhile."""
+        limit = starts.limit
+        if not starts.allows(time.monotonic()):
+            log.error(
+                "llama-server died again after %d starts within %d s, the server unit's start limit "
+                "(StartLimitBurst=%d, StartLimitIntervalSec=%d): not starting it again",
+                limit.burst,
+                limit.interval_seconds,
+                limit.burst,
+                limit.interval_seconds,
+            )
+            return outcome
+        log.warning(
+            "restarting llama-server in %d s (start %d of %d allowed within %d s, as the server unit's Restart= would)",
+            limit.delay_seconds,
+            starts.starts,
+            limit.burst,
+            limit.interval_seconds,
+        )
+        self.notifier.status(f"llama-server died; restarting it in {limit.delay_seconds} s")
+        if self.stop_requested.wait(limit.delay_seconds):
+            log.info("stopped before llama-server was started again")
+            self.notifier.stopping("stopped")
+            return EXIT_STOPPED
+        return None
 
     def _start(self) -> int | None:
         """Start llama-server and wait for it to load; an exit code when it never became ready."""
         started = time.monotonic()
+        self.tail.clear()  # a failure is explained by this start's lines, not an earlier one's
         self.restart_requested.clear()
         self.stop_requested_or_restart.clear()
         self.speculation_verdict = None

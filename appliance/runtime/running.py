@@ -6,17 +6,24 @@ service user's directory (read without following a link, a regular file, a few b
 process after a SIGKILL or a crash, when the pid may come back as another process. The pid counts only while
 /proc shows the same process (the same start time) and it is an llm-appliance `up` (or `install`, which ends in
 one where systemd is not PID 1).
+
+Beside it, STATE/up.json says what that `up` runs: the spec it was given and the appliance resolved from it,
+with the same pid and start time, so `status` describes what runs rather than what is applied. What it says is
+the service user's word: `status` only reads the URLs in it and shows its text without control characters.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import stat
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+from appliance.plan.resolved import Appliance, SnapshotError
 from appliance.system.files import write_atomically
 
 log = logging.getLogger("llm-appliance.up")
@@ -25,6 +32,16 @@ PID_FILE = "up.pid"
 PID_FILE_LIMIT = 64  # "PID STARTTIME\n": more is not ours
 PROGRAMS = ("llm-appliance", "appliance.cli.main", "appliance.cli")  # the script, or `python -m ...`
 COMMANDS = ("up", "install")
+ANNOUNCEMENT_FILE = "up.json"
+ANNOUNCEMENT_LIMIT = 1 << 20  # an appliance's document is a few kilobytes
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """What an `up` runs: the spec it was given (as an absolute path) and the appliance resolved from it."""
+
+    spec: str
+    appliance: Appliance
 
 
 def start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
@@ -42,25 +59,38 @@ def start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
 
 
 @contextlib.contextmanager
-def announced(state_dir: Path) -> Iterator[None]:
-    """The pid file of this process, there while the block runs. A state directory it cannot write to costs
-    `status` its knowledge that `up` runs, never the serving: logged, not raised."""
+def announced(state_dir: Path, runs: Announcement | None = None) -> Iterator[None]:
+    """The pid file of this process, and what it runs, there while the block runs. A state directory it cannot
+    write to costs `status` its knowledge that `up` runs, never the serving: logged, not raised."""
     path = state_dir / PID_FILE
     pid = os.getpid()
-    content = f"{pid} {start_time(pid)}\n"
+    started = start_time(pid)
+    content = f"{pid} {started}\n"
+    written: list[tuple[Path, str]] = []
+    if runs is not None:
+        document = {"pid": pid, "started": started, "spec": runs.spec, "appliance": runs.appliance.document()}
+        written.append((state_dir / ANNOUNCEMENT_FILE, json.dumps(document, sort_keys=True) + "\n"))
+    written.append((path, content))  # the pid file last: a reader finds what it runs there already
+    done: list[Path] = []
     try:
-        write_atomically(path, content, 0o644)
+        for file, text in written:
+            write_atomically(file, text, 0o644)
+            done.append(file)
     except OSError as exc:
-        log.warning("cannot write %s (%s): `llm-appliance status` will not see that `up` runs", path, exc)
+        log.warning("cannot write %s (%s): `llm-appliance status` will not see that `up` runs", file, exc)
+        for mine in done:
+            with contextlib.suppress(OSError):
+                mine.unlink()
         yield
         return
     try:
         yield
     finally:
-        # Only ours: a second `up` of the same directory (which could not bind the ports) must not remove it.
-        if read_small(path, PID_FILE_LIMIT) == content:
-            with contextlib.suppress(OSError):
-                path.unlink()
+        # Only ours: a second `up` of the same directory (which could not bind the ports) must not remove them.
+        for file, text in reversed(written):
+            if read_small(file, ANNOUNCEMENT_LIMIT) == text:
+                with contextlib.suppress(OSError):
+                    file.unlink()
 
 
 def running_up(state_dir: Path, proc: Path = Path("/proc")) -> int | None:
@@ -77,6 +107,19 @@ def running_up(state_dir: Path, proc: Path = Path("/proc")) -> int | None:
     except OSError:
         return None
     return pid if is_up(argv) else None
+
+
+def announcement(state_dir: Path, pid: int, proc: Path = Path("/proc")) -> Announcement | None:
+    """What the `up` of `pid` (running_up's answer) says it runs; None when it said nothing (an `up` of an older
+    version) or what is there is another process's, or no appliance."""
+    text = read_small(state_dir / ANNOUNCEMENT_FILE, ANNOUNCEMENT_LIMIT)
+    try:
+        document = json.loads(text or "")
+        if (document["pid"], document["started"]) != (pid, start_time(pid, proc)):
+            return None
+        return Announcement(str(document["spec"]), Appliance.from_document(document["appliance"]))
+    except (ValueError, KeyError, TypeError, SnapshotError):
+        return None
 
 
 def is_up(argv: list[bytes]) -> bool:
