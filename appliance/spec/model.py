@@ -48,6 +48,17 @@ class Sampling(Strict):
     seed: int | None = None
 
 
+FLAG_NAME = re.compile(r"^--?[A-Za-z][A-Za-z0-9-]*$")
+
+
+def _flag_name(value: str) -> str:
+    if not FLAG_NAME.match(value):
+        raise ValueError(
+            f'{value!r} is not a llama-server flag\'s name; write the flag alone, e.g. "--lora" (no value)'
+        )
+    return value
+
+
 class Server(Strict):
     binary: Line = DEFAULT_BINARY
     host: Address = "127.0.0.1"
@@ -69,7 +80,11 @@ class Server(Strict):
     # llama-server's own log threshold. "warning": the journal keeps its warnings and errors, not the ~8 info
     # lines it writes per request (timings, slot selection); "info" brings those back when debugging.
     log_level: LogLevel = "warning"
-    extra_args: list[str] = []
+    # More llama-server flags, each checked (plan/extra_args.py): one that opens the server to its clients or
+    # the network is refused; one whose meaning llm-appliance does not know passes only when listed in
+    # extra_args_unchecked, the spec author's word that it is harmless.
+    extra_args: list[Line] = []
+    extra_args_unchecked: list[Annotated[str, AfterValidator(_flag_name)]] = []
 
     @field_validator("cors_origins")
     @classmethod
