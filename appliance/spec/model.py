@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from appliance.spec.address import bracketed, is_ipv6, is_loopback
+from appliance.spec.address import bracketed, http_url, is_ipv6, is_loopback
 from appliance.spec.base import (
     DEFAULT_BINARY,
     DEVICE_NAME,
@@ -52,7 +52,7 @@ FLAG_NAME = re.compile(r"^--?[A-Za-z][A-Za-z0-9-]*$")
 
 
 def _flag_name(value: str) -> str:
-    if not FLAG_NAME.match(value):
+    if not FLAG_NAME.fullmatch(value):
         raise ValueError(
             f'{value!r} is not a llama-server flag\'s name; write the flag alone, e.g. "--lora" (no value)'
         )
@@ -153,7 +153,7 @@ class Model(Strict):
     @classmethod
     def _device_names(cls, value: list[str]) -> list[str]:
         for name in value:
-            if not DEVICE_NAME.match(name):
+            if not DEVICE_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a llama.cpp device name; use names like CUDA0, CUDA1 or none")
         return value
 
@@ -294,9 +294,14 @@ HOST_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 
 def _ready_url(value: str) -> str:
-    parsed = urllib.parse.urlsplit(value)
-    if parsed.scheme != "http" or not parsed.hostname or parsed.path != "/ready":
-        raise ValueError(f"{value!r} is not a peer's /ready URL; write e.g. http://192.168.1.12:9478/ready")
+    # The host goes bare into the ruleset (the daemon's egress to its peers): an address or a DNS name, and
+    # nothing else, so no text of a URL can close a rule and open another.
+    url = http_url(value)
+    if url is None or url.scheme != "http" or url.path != "/ready":
+        raise ValueError(
+            f"{value!r} is not a peer's /ready URL; write http://ADDRESS:PORT/ready with the peer's IP address "
+            "(or a DNS name), e.g. http://192.168.1.12:9478/ready"
+        )
     return value
 
 
@@ -327,7 +332,7 @@ class FleetMember(Strict):
     @classmethod
     def _peer_names(cls, value: dict[str, str]) -> dict[str, str]:
         for name in value:
-            if not HOST_NAME.match(name):
+            if not HOST_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a host name of the fleet; use lower-case letters, digits and -")
         return value
 
