@@ -20,11 +20,15 @@ from appliance.spec.problems import Problem, SpecInvalid
 EXPLOIT = 'http://10.0.0.2 accept; meta skuid "llm-appliance" accept; ip daddr 10.0.0.2:9478/ready'
 SYNTAX = [";", "{", "}", '"', "\n", " accept; flush ruleset; "]
 PEERS = '[fleet]\nhost = "a"\npeers = {{ b = {value} }}\nmin_ready = 0\n'
+# ...and with the host or the peer's name to break: formatted twice, so its braces are doubled twice.
+ONE_PEER = '[fleet]\nhost = {host}\npeers = {{{{ {peer} = "http://10.0.0.2:9478/ready" }}}}\nmin_ready = 0\n\n[network]'
 
 # (example, the text its value replaces, the TOML to write with {value}, the field, how to break the value).
 SPEC_FIELDS: list[tuple[str, str, str, str, Callable[[str], str]]] = [
     ("demo.toml", "[network]", PEERS + "\n[network]", "fleet.peers.b", lambda x: f"http://10.0.0.2{x}:9478/ready"),
     ("demo.toml", "[network]", PEERS + "\n[network]", "fleet.peers.b", lambda x: f"http://10.0.0.2:9478/ready{x}"),
+    ("demo.toml", "[network]", ONE_PEER.format(host="{value}", peer='"b"'), "fleet.host", lambda x: f"a{x}"),
+    ("demo.toml", "[network]", ONE_PEER.format(host='"a"', peer="{value}"), "fleet.peers", lambda x: f"b{x}"),
     (
         "demo-fallback.toml",
         'base_url = "http://192.0.2.10:8000/v1"',
