@@ -1090,6 +1090,14 @@ BAD = [
 
 WARNINGS = [
     Case(
+        "extra-unchecked-not-passed",
+        _extra_args(["--threads-batch", "4"], ["--lora-init-without-apply"]),
+        "server.extra_args_unchecked[0]",
+        "lists --lora-init-without-apply, which server.extra_args does not pass: it does nothing",
+        "remove it",
+        "extra_args_unchecked",
+    ),
+    Case(
         "draft-with-ngram",
         {'type = "draft-simple"': 'type = "ngram-simple"'},
         "speculative.type",

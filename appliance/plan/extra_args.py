@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from appliance.facts.dialect import REMOVED, SPELLINGS, SYNTHETIC_PREFIX, Dialect
 from appliance.spec.model import Server
-from appliance.spec.problems import Problem, error
+from appliance.spec.problems import Problem, error, warning
 
 _TOOLS = (
     "opens POST /tools to every API client, every local user without a key among them: exec_shell_command, "
@@ -193,6 +193,16 @@ def extra_arg_problems(server: Server, planned: list[str], dialect: Dialect) -> 
                     f"llm-appliance does not know what {name} does, so it cannot tell whether it opens the server to "
                     "its clients or the network",
                     f'read `llama-server --help`; if {name} is harmless, mark it: {UNCHECKED_FIELD} = ["{name}"]',
+                )
+            )
+    passed = {arg.split("=", 1)[0] for arg in server.extra_args}
+    for index, name in enumerate(server.extra_args_unchecked):
+        if name not in passed:
+            found.append(
+                warning(
+                    f"{UNCHECKED_FIELD}[{index}]",
+                    f"lists {name}, which server.extra_args does not pass: it does nothing",
+                    f"remove it, or add {name} to server.extra_args",
                 )
             )
     return found
