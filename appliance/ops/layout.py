@@ -99,7 +99,9 @@ def take_back(lib: Path, models: Path, state: Path, who: Account, say: Say) -> N
 
 
 def _own_directory(directory: Path, who: Account, say: Say) -> None:
-    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    # /var/lib/llm-appliance itself may be the admin's link to a larger disk: only root can have made it there
+    # (take_back checked its parent first); every link below it is left unfollowed.
+    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         _own(descriptor, directory, who, say)
     finally:
