@@ -12,10 +12,8 @@ from appliance.facts.dialect import REMOVED, SPELLINGS, SYNTHETIC_PREFIX, Dialec
 from appliance.spec.model import Server
 from appliance.spec.problems import Problem, error, warning
 
-_TOOLS = (
-    "opens POST /tools to every API client, every local user without a key among them: exec_shell_command, "
-    "write_file, read_file run as the service user on a client's word"
-)
+_TOOL_CALLS = "exec_shell_command, write_file and read_file run as the service user on a client's word"
+_TOOLS = f"opens POST /tools to every API client (every local user, where no key is set): {_TOOL_CALLS}"
 _DOWNLOAD = (
     "fetches model files from the internet when the server starts: the appliance serves the model files the spec "
     "names (models.*.path), which validate checks, and nothing else"
@@ -25,7 +23,7 @@ _SECRET = "puts a secret on the command line: in /proc/PID/cmdline, the journal 
 # Refused whatever the spec says: each opens the server to its clients, the network or the disk.
 REFUSED: dict[str, str] = {
     "--tools": _TOOLS,
-    "--tools-runtime": "runs the built-in tools of --tools for API clients (" + _TOOLS.split(": ", 1)[1] + ")",
+    "--tools-runtime": f"runs the built-in tools of --tools for API clients: {_TOOL_CALLS}",
     "--agent": "turns on the CORS proxy and every built-in tool: " + _TOOLS,
     "-ag": "turns on the CORS proxy and every built-in tool: " + _TOOLS,
     "--mcp-servers-config": "connects the server to MCP servers whose tools API clients may then call",
