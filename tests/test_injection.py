@@ -188,3 +188,23 @@ def test_a_peer_by_name_only_where_no_ruleset_names_it(
         validate(spec, facts=EXAMPLE_FACTS["demo.toml"])
     problem = _located(caught.value.problems, spec, "fleet.peers.b")
     assert "the ruleset" in problem.message and "IP address" in problem.fix
+
+
+# Values that reach a file quoted (YAML, JSON) or the argv: any text, but one line (a journal line, a unit's
+# comment, the snapshot a person reads).
+ONE_LINE = [
+    ("demo.toml", "threads = 2", 'threads = 2\nextra_args = ["--tags", {value}]', "server.extra_args"),
+    ("demo.toml", 'alias = "smollm2-135m-instruct"', "alias = {value}", "server.alias"),
+    ("demo-fallback.toml", 'model = "qwen3-coder-30b-a3b"', "model = {value}", "fallback.model"),
+]
+
+
+@pytest.mark.parametrize("bad", ["\n", "\r", "\u2028"], ids=repr)
+@pytest.mark.parametrize(("name", "old", "new", "field"), ONE_LINE, ids=[f[3] for f in ONE_LINE])
+def test_a_quoted_value_is_one_line(
+    example: Callable[..., Path], name: str, old: str, new: str, field: str, bad: str
+) -> None:
+    spec = example(name, replace={old: new.format(value=_toml(f"x{bad}ExecStartPre=/bin/sh"))})
+    with pytest.raises(SpecInvalid) as caught:
+        validate(spec, facts=EXAMPLE_FACTS[name])
+    assert "one line" in _located(caught.value.problems, spec, field).message
