@@ -15,8 +15,8 @@ def _http_url(value: str) -> str:
     # an address or a DNS name, a path of plain characters, and nothing a ruleset, a unit or YAML reads as syntax.
     if http_url(value) is None:
         raise ValueError(
-            f"{value!r} is not an http(s) URL of an OpenAI-compatible API; write scheme://HOST[:PORT]/PATH with an "
-            "IP address or a DNS name and a path of letters, digits, -._~/ , e.g. https://api.example.com/v1"
+            f"{value!r} is not an http(s) URL of an OpenAI-compatible API; write e.g. https://api.example.com/v1: "
+            "the host an IP address or a DNS name, the path letters, digits and -._~/, no user, query or fragment"
         )
     return value.rstrip("/")
 
