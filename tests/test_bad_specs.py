@@ -10,6 +10,7 @@ enter, holding the key files of `bad_files`), $SMOLLM2 and $GEMMA3 (the real mod
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import re
@@ -74,6 +75,28 @@ class Case:
     edit: Callable[[str], str] | None = None  # a change replace cannot express
     raw: Callable[[bytes], bytes] | None = None  # a change to the file's bytes
     severity: Severity = field(default=Severity.ERROR)
+
+
+EXTRA_ARGS = 'load_mode = "mmap"'
+# The switches of issue 36 that open llama-server to its clients, the network or the disk: refused each with
+# its reason, whatever the spec marks.
+REFUSED_SWITCHES = [
+    (["--tools", "all"], "opens POST /tools to every API client", "remove it"),
+    (["--tools=read_file,exec_shell_command"], "exec_shell_command", "remove it"),
+    (["--agent"], "every built-in tool: opens POST /tools", "remove it"),
+    (["-ag"], "every built-in tool", "remove it"),
+    (["--ui-mcp-proxy"], "an HTTP fetcher for its clients: it dials any URL a client names (SSRF)", "remove it"),
+    (["--props"], "lets every API client rewrite the server's settings (POST /props)", "remove it"),
+    (["--slot-save-path", "/tmp/kv"], "write the prompts' KV cache to disk", "remove it"),
+    (["--hf-token", "hf_secret"], "puts a secret on the command line", "download the model before"),
+    (["-hf", "org/model"], "fetches model files from the internet", "remove it"),
+    (["--gpt-oss-20b-default"], "fetches model files from the internet", "remove it"),
+]
+
+
+def _extra_args(args: list[str], marked: list[str] | None = None) -> dict[str, str]:
+    unchecked = "" if marked is None else f"\nextra_args_unchecked = {json.dumps(marked)}"
+    return {EXTRA_ARGS: f"{EXTRA_ARGS}\nextra_args = {json.dumps(args)}{unchecked}"}
 
 
 def _drop_table(name: str) -> Callable[[str], str]:
@@ -876,6 +899,41 @@ BAD = [
         "-c is already set from the spec",
         at="extra_args",
     ),
+    # --- extra_args: refused switches, and flags whose meaning is not known ---
+    *(
+        Case(f"extra-refused{args[0]}", _extra_args(args), "server.extra_args[0]", reason, fix, "extra_args")
+        for args, reason, fix in REFUSED_SWITCHES
+    ),
+    Case(
+        "extra-refused-even-marked",
+        _extra_args(["--threads-batch", "4", "--tools", "all"], ["--tools"]),
+        "server.extra_args[2]",
+        "--tools opens POST /tools to every API client",
+        "remove it (server.extra_args_unchecked does not accept it)",
+        "extra_args =",
+    ),
+    Case(
+        "extra-meaning-unknown",
+        _extra_args(["--lora-init-without-apply"]),
+        "server.extra_args[0]",
+        "llm-appliance does not know what --lora-init-without-apply does",
+        'mark it: server.extra_args_unchecked = ["--lora-init-without-apply"]',
+        "extra_args",
+    ),
+    Case(
+        "extra-unknown-behind-a-value",
+        _extra_args(["--tags", "--webui-mcp-proxy"]),
+        "server.extra_args[1]",
+        "--webui-mcp-proxy makes the server an HTTP fetcher",
+        at="extra_args",
+    ),
+    Case(
+        "extra-unchecked-not-a-flag",
+        _extra_args(["--lora-init-without-apply"], ["--lora-init-without-apply=1"]),
+        "server.extra_args_unchecked.0",
+        "is not a llama-server flag's name",
+        at="extra_args_unchecked",
+    ),
     # --- [cost] ---
     Case(
         "cost-without-lifetime",
@@ -1056,6 +1114,14 @@ BAD = [
 ]
 
 WARNINGS = [
+    Case(
+        "extra-unchecked-not-passed",
+        _extra_args(["--threads-batch", "4"], ["--lora-init-without-apply"]),
+        "server.extra_args_unchecked[0]",
+        "lists --lora-init-without-apply, which server.extra_args does not pass: it does nothing",
+        "remove it",
+        "extra_args_unchecked",
+    ),
     Case(
         "draft-with-ngram",
         {'type = "draft-simple"': 'type = "ngram-simple"'},
@@ -1330,6 +1396,14 @@ def test_warning_leaves_the_spec_valid(case: Case, write_case: WriteCase) -> Non
     warning = the_problem(result.warnings, case)
     check_located(warning, case, spec, text)
     assert len(result.warnings) == 1, format_problems(result.warnings)
+
+
+def test_a_flag_marked_unchecked_and_the_known_ones_reach_the_argv(example: Callable[..., Path]) -> None:
+    args = ["--lora-init-without-apply", "--threads-batch", "4", "--no-webui", "--cache-ram=1024"]
+    spec = example("appliance.toml", replace=_extra_args(args, ["--lora-init-without-apply"]))
+    result = validate(spec, facts=EXAMPLE_FACTS["appliance.toml"])
+    assert result.plan.argv[-len(args) :] == tuple(args)
+    assert [p.field for p in result.warnings if p.field.startswith("server.extra_args")] == []
 
 
 def test_syntax_error_line_is_the_broken_line(example: Callable[..., Path]) -> None:

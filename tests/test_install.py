@@ -231,3 +231,40 @@ def test_the_layout_before_is_taken_back_from_the_service_user(tmp_path: Path) -
     said.clear()
     layout.ensure(tmp_path, SERVICE, said.append)
     assert said == []  # a second run changes nothing
+
+
+@as_root_with_a_service_user
+def test_a_set_id_file_the_service_user_planted_is_not_made_root_s_binary(tmp_path: Path) -> None:
+    """The attack of issue 36: a 04777 file of the service user among the old layout's models came back as
+    -rwsr-xr-x root (chown, then chmod to the old mode less group and other write)."""
+    assert SERVICE is not None
+    lib = tmp_path / "var/lib/llm-appliance"
+    models = lib / "models"
+    (models / "sub").mkdir(parents=True)
+    _owned(lib, 0o755)
+    _owned(models, 0o775)
+    _owned(models / "sub", 0o3777)  # setgid and sticky: a directory others could fill
+    shell = models / "sh"
+    shell.write_bytes(b"\x7fELF")
+    _owned(shell, 0o4777)
+    _owned(shell, 0o4777)  # chown cleared the bit it set before: set it again, as the service user could
+    both = models / "sub" / "both"
+    both.write_bytes(b"\x7fELF")
+    _owned(both, 0o6777)
+    _owned(both, 0o6777)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"\x7fELF")
+    _owned(outside, 0o4777)
+    _owned(outside, 0o4777)
+    (models / "link").symlink_to(outside)
+    _owned(models / "link")
+
+    layout.ensure(tmp_path, SERVICE, lambda _: None)
+
+    for path, mode in ((shell, 0o755), (both, 0o755), (models / "sub", 0o755), (models, 0o755)):
+        found = path.lstat()
+        assert (found.st_uid, found.st_gid, stat.S_IMODE(found.st_mode)) == (0, 0, mode), path
+        assert not found.st_mode & (stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | 0o022), path
+    assert not (models / "link").is_symlink()  # the link is gone, and what it named is untouched:
+    found = outside.stat()
+    assert (found.st_uid, stat.S_IMODE(found.st_mode)) == (SERVICE.uid, 0o4777)

@@ -66,7 +66,7 @@ class Rules(Strict):
     @field_validator("restart_first")
     @classmethod
     def _clock(cls, value: str) -> str:
-        if not CLOCK.match(value):
+        if not CLOCK.fullmatch(value):
             raise ValueError("is not a time of day as HH:MM (24 h), e.g. '04:00'")
         return value
 
@@ -80,7 +80,25 @@ class FleetPrometheus(Strict):
 
 
 DNS_LABEL = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
-IMAGE = r"^[^\s]+$"
+# An image reference as the OCI distribution spec writes it ([registry[:port]/]path[:tag][@sha256:digest]): the
+# manifests are dumped as YAML, but the kubelet reads the text, so it holds nothing else.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_REGISTRY = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]+)?/)?"
+IMAGE = re.compile(
+    rf"^{_REGISTRY}{_COMPONENT}(?:/{_COMPONENT})*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?(?:@sha256:[a-f0-9]{{64}})?$"
+)
+
+
+def _image(value: str) -> str:
+    if not IMAGE.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not an image reference; write [REGISTRY/]NAME[:TAG][@sha256:DIGEST], "
+            "e.g. registry.example/llm-appliance:0.1.0"
+        )
+    return value
+
+
+Image = Annotated[str, AfterValidator(_image)]
 
 
 def _cidr(value: str) -> str:
@@ -114,7 +132,7 @@ class Kubernetes(Strict):
     of it, the image above all."""
 
     # The image holds llm-appliance at /opt/llm-appliance/venv and llama-server, as install.sh lays them out.
-    image: Annotated[str, Field(pattern=IMAGE)] | None = None
+    image: Image | None = None
     namespace: Annotated[str, Field(pattern=DNS_LABEL)] = "llm-appliance"
     models: ModelsVolume = ModelsVolume(host_path=Path("/var/lib/llm-appliance/models"))
     # The service user's uid and gid in the image (the pods run as them, never as root).
@@ -126,7 +144,7 @@ class Kubernetes(Strict):
     # the one egress besides DNS, for the daemon's Eviction. Unset: any address on ports 443 and 6443.
     api_server: CIDR | None = None
     cluster_domain: Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")] = "cluster.local"
-    haproxy_image: Annotated[str, Field(pattern=IMAGE)] = "haproxy:2.6"
+    haproxy_image: Image = "haproxy:2.6"
 
 
 class Host(Strict):
@@ -139,7 +157,7 @@ class Host(Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not HOST_NAME.match(value):
+        if not HOST_NAME.fullmatch(value):
             raise ValueError(
                 "is not a host name of the fleet; use lower-case letters, digits and -, e.g. gpu-1 (it becomes "
                 "an HAProxy server name, a directory and a Prometheus label)"

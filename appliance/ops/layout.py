@@ -99,11 +99,19 @@ def take_back(lib: Path, models: Path, state: Path, who: Account, say: Say) -> N
 
 
 def _own_directory(directory: Path, who: Account, say: Say) -> None:
+    # /var/lib/llm-appliance itself may be the admin's link to a larger disk: only root can have made it there
+    # (take_back checked its parent first); every link below it is left unfollowed.
     descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         _own(descriptor, directory, who, say)
     finally:
         os.close(descriptor)
+
+
+# What root keeps of a mode it takes back: read and execute for all, write for root alone; never a set-id or
+# sticky bit. chown clears set-id bits, and a chmod back to the old mode would set them again: the service
+# user's 04777 file would become a setuid-root binary.
+KEPT_MODE = 0o755
 
 
 def _own(descriptor: int, shown: Path, who: Account, say: Say) -> None:
@@ -113,9 +121,10 @@ def _own(descriptor: int, shown: Path, who: Account, say: Say) -> None:
     if status.st_uid == who.uid or status.st_gid == who.gid:
         os.fchown(descriptor, 0, 0)
         say(f"took {shown} back from {who.name}")
-    if mode & 0o022:
-        os.fchmod(descriptor, mode & ~0o022)
-        say(f"{shown}: mode {mode:04o} -> {mode & ~0o022:04o}")
+    kept = mode & KEPT_MODE
+    if stat.S_IMODE(os.fstat(descriptor).st_mode) != kept:
+        os.fchmod(descriptor, kept)
+        say(f"{shown}: mode {mode:04o} -> {kept:04o}")
 
 
 def _own_tree(directory: Path, who: Account, say: Say) -> None:

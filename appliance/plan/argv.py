@@ -1,9 +1,11 @@
-"""The llama-server command line in the installed binary's own flag dialect, and the checks of
-`server.extra_args` against it and against what the spec already sets. Pure."""
+"""The llama-server command line in the installed binary's own flag dialect, with `server.extra_args` checked
+against it, against what the spec already sets and against what the appliance knows to be safe
+(plan/extra_args.py). Pure."""
 
 from __future__ import annotations
 
-from appliance.facts.dialect import REMOVED, SPELLINGS, SYNTHETIC_PREFIX, Dialect
+from appliance.facts.dialect import SPELLINGS, Dialect
+from appliance.plan.extra_args import extra_arg_problems
 from appliance.spec.base import LogLevel
 from appliance.spec.model import Spec
 from appliance.spec.problems import Problem, error, warning
@@ -46,7 +48,7 @@ def build_argv(
     _model_flags(argv, spec, alias)
     _speculative_flags(argv, spec, draft_in_use)
     argv.args.extend(engine_args)
-    problems = argv.problems + _extra_arg_problems(spec.server.extra_args, argv.args, dialect)
+    problems = argv.problems + extra_arg_problems(spec.server, argv.args, dialect)
     return (*argv.args, *spec.server.extra_args), problems
 
 
@@ -171,63 +173,3 @@ def _draft_flags(argv: _Argv, spec: Spec) -> None:
     # Binaries older than -ctkd/-ctvd (llama.cpp PR 13782, mid 2025) always gave the draft an f16 cache.
     flag("draft_cache_type_k", "models.draft.cache_type_k", draft.cache_type_k, required=draft.cache_type_k != "f16")
     flag("draft_cache_type_v", "models.draft.cache_type_v", draft.cache_type_v, required=draft.cache_type_v != "f16")
-
-
-def _extra_arg_problems(extra: list[str], planned: list[str], dialect: Dialect) -> list[Problem]:
-    found = []
-    planned_options = {SPELLING_OWNER.get(arg) for arg in planned if arg.startswith("-")} - {None}
-    for index, arg in enumerate(extra):
-        name = arg.split("=", 1)[0]
-        if not name.startswith("-") or _is_number(name):
-            continue
-        where = f"server.extra_args[{index}]"
-        if name.startswith(SYNTHETIC_PREFIX):
-            found.append(
-                error(
-                    where,
-                    f"{name} is benchmark-only: it fakes acceptance (drafts accepted at a chosen rate), so every "
-                    "speed and acceptance measured with it is fiction",
-                    "remove it; `llm-appliance bench` measures real acceptance",
-                )
-            )
-        elif name in SECRET_FLAGS:
-            found.append(error(where, SECRET_FLAGS[name].format(name=name), "set server.api_key_file instead"))
-        elif name in REMOVED and not dialect.accepts(name):
-            found.append(
-                error(where, f"{name} was removed from llama-server", f"set {REMOVED[name]} in the spec instead")
-            )
-        elif not dialect.accepts(name):
-            found.append(
-                error(
-                    where,
-                    f"{name} is not a flag of {dialect.source}",
-                    "check `llama-server --help` of the installed binary",
-                )
-            )
-        elif SPELLING_OWNER.get(name) in planned_options:
-            found.append(
-                error(
-                    where,
-                    f"{name} is already set from the spec",
-                    f"set it through the spec field for {SPELLING_OWNER[name]} instead",
-                )
-            )
-    return found
-
-
-# Flags that carry a secret, or one the appliance must know of (its scrape job and probes use the key).
-SECRET_FLAGS = {
-    "--api-key": "{name} puts the API key on the command line: in /proc/PID/cmdline, the journal and the snapshot",
-    "--api-key-file": "{name} in extra_args hides the key file from the health daemon and the scrape job",
-}
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-SPELLING_OWNER = {spelling: option for option, spellings in SPELLINGS.items() for spelling in spellings}

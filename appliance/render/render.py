@@ -16,6 +16,7 @@ from appliance.render.dashboard import dashboard_json
 from appliance.render.promql import label_matchers, quoted, series
 from appliance.render.router_files import RouterPlace, RouterView, router_files, router_view
 from appliance.render.templates import template
+from appliance.spec.address import ip_address
 from appliance.system import metric_names as metric
 from appliance.system import paths
 
@@ -113,7 +114,9 @@ def view(appliance: Appliance) -> View:
         allow_v6=", ".join(appliance.allow_v6),
         server_allow=appliance.server_ip_allow,
         health_allow=appliance.health_ip_allow,
-        peers=appliance.peers,
+        # Addresses alone reach the ruleset: validate refuses a name unless turns = "eviction" (Kubernetes,
+        # where no ruleset loads), and nft would resolve one once, at load, and never again.
+        peers=tuple(peer for peer in appliance.peers if ip_address(peer.host) is not None),
         egress_deny=appliance.egress_deny,
         schedule=spec.restart.schedule,
         randomized_delay_seconds=spec.restart.randomized_delay_seconds,

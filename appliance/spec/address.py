@@ -1,9 +1,12 @@
-"""What an address is, said once: which text is an IP address, which is IPv6, loopback or a wildcard, and
-how a host joins its port. The spec and the fleet validate with these, resolve and render print with them."""
+"""What an address is, said once: which text is an IP address, a DNS name, IPv6, loopback or a wildcard, how a
+host joins its port, and what an http(s) URL of the spec may hold. The spec and the fleet validate with these,
+resolve and render print with them."""
 
 from __future__ import annotations
 
 import ipaddress
+import re
+from dataclasses import dataclass
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -48,3 +51,41 @@ def host_port(host: str, port: int) -> str:
 def network_of(address: str) -> str:
     """One address as the network of it alone: 10.0.0.5/32, fd00::5/128."""
     return str(ipaddress.ip_network(address))
+
+
+# RFC 1123 host names: letters, digits and inner hyphens, dot-separated; nothing an nft ruleset, a unit or a
+# YAML file reads as syntax (urlsplit's hostname is whatever stands before the last colon, spaces and all).
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+DNS_NAME = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*\.?$")
+# scheme://host[:port][/path]: no user, query or fragment; the path in unreserved characters (RFC 3986) and /.
+_URL = re.compile(r"^(https?)://(\[[0-9A-Fa-f:.]+\]|[^/\[\]:]+)(?::([0-9]{1,5}))?(/[A-Za-z0-9._~/-]*)?$")
+
+
+def is_dns_name(text: str) -> bool:
+    """A host name as DNS spells it, at most 253 characters; digits and dots alone are an address or nothing."""
+    return len(text) <= 253 and DNS_NAME.fullmatch(text) is not None and not re.fullmatch(r"[0-9.]+", text)
+
+
+@dataclass(frozen=True)
+class Url:
+    scheme: str
+    host: str  # an IP address (IPv6 without its brackets) or a DNS name
+    port: int | None
+    path: str
+
+
+def http_url(text: str) -> Url | None:
+    """`text` as an http(s) URL whose every part is what it claims, or None."""
+    m = _URL.fullmatch(text)
+    if m is None:
+        return None
+    scheme, host, port, path = m.group(1), m.group(2), m.group(3), m.group(4) or ""
+    if host.startswith("["):
+        host = host[1:-1]
+        if not is_ipv6(host) or ip_address(host) is None:
+            return None
+    elif ip_address(host) is None and not is_dns_name(host):
+        return None
+    if port is not None and not 1 <= int(port) <= 65535:
+        return None
+    return Url(scheme, host, int(port) if port is not None else None, path)

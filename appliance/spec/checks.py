@@ -19,7 +19,7 @@ NGRAM_MOD_N_MIN, NGRAM_MOD_N_MAX = 48, 64
 def spec_problems(loaded: LoadedSpec) -> list[Problem]:
     spec = loaded.spec
     found = draft_length_problems(spec.speculative) + _draft_type_problems(spec) + _ngram_problems(spec.speculative)
-    found += _exposure_problems(loaded) + _fallback_problems(spec)
+    found += _exposure_problems(loaded) + _fallback_problems(spec) + _peer_problems(spec)
     for role, model in (("target", spec.models.target), ("draft", spec.models.draft)):
         if model is not None:
             found += _cache_problems(f"models.{role}", model, spec.server.flash_attn)
@@ -173,6 +173,24 @@ def _fallback_problems(spec: Spec) -> list[Problem]:
             )
         )
     return found
+
+
+def _peer_problems(spec: Spec) -> list[Problem]:
+    """With egress = "deny" the ruleset lets the health daemon dial each peer's address: one it must state.
+    A name is for Kubernetes (turns = "eviction"), where the NetworkPolicy holds egress and no ruleset loads."""
+    if spec.fleet is None or spec.network.egress != "deny" or spec.fleet.turns == "eviction":
+        return []
+    return [
+        error(
+            f"fleet.peers.{name}",
+            f'names the host {host!r}: with network.egress = "deny" the ruleset lets the health daemon dial each '
+            "peer's address, which it must state (it cannot follow a name's DNS answers)",
+            "write the peer's IP address in the URL (`llm-appliance fleet render` does), or set "
+            'network.egress = "allow"',
+        )
+        for name, url in spec.fleet.peers.items()
+        if ip_address(host := urllib.parse.urlsplit(url).hostname or "") is None
+    ]
 
 
 def draft_length_problems(speculative: Speculative) -> list[Problem]:

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import urllib.parse
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
+from appliance.spec.address import http_url
 from appliance.spec.base import FilePath, Line, Strict
 
 
 def _http_url(value: str) -> str:
-    parsed = urllib.parse.urlsplit(value)
-    try:
-        port = parsed.port
-    except ValueError:
-        port = -1
-    if parsed.scheme not in ("http", "https") or not parsed.hostname or port == -1 or parsed.query or parsed.fragment:
+    # Its host goes into the router's egress rule and its text into the router unit's description and config:
+    # an address or a DNS name, a path of plain characters, and nothing a ruleset, a unit or YAML reads as syntax.
+    if http_url(value) is None:
         raise ValueError(
-            f"{value!r} is not an http(s) URL of an OpenAI-compatible API; write e.g. https://api.example.com/v1"
+            f"{value!r} is not an http(s) URL of an OpenAI-compatible API; write e.g. https://api.example.com/v1: "
+            "the host an IP address or a DNS name, the path letters, digits and -._~/, no user, query or fragment"
         )
     return value.rstrip("/")
 

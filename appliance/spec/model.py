@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from appliance.spec.address import bracketed, is_ipv6, is_loopback
+from appliance.spec.address import bracketed, http_url, is_ipv6, is_loopback
 from appliance.spec.base import (
     DEFAULT_BINARY,
     DEVICE_NAME,
@@ -48,6 +48,17 @@ class Sampling(Strict):
     seed: int | None = None
 
 
+FLAG_NAME = re.compile(r"^--?[A-Za-z][A-Za-z0-9-]*$")
+
+
+def _flag_name(value: str) -> str:
+    if not FLAG_NAME.fullmatch(value):
+        raise ValueError(
+            f'{value!r} is not a llama-server flag\'s name; write the flag alone, e.g. "--lora" (no value)'
+        )
+    return value
+
+
 class Server(Strict):
     binary: Line = DEFAULT_BINARY
     host: Address = "127.0.0.1"
@@ -69,7 +80,11 @@ class Server(Strict):
     # llama-server's own log threshold. "warning": the journal keeps its warnings and errors, not the ~8 info
     # lines it writes per request (timings, slot selection); "info" brings those back when debugging.
     log_level: LogLevel = "warning"
-    extra_args: list[str] = []
+    # More llama-server flags, each checked (plan/extra_args.py): one that opens the server to its clients or
+    # the network is refused; one whose meaning llm-appliance does not know passes only when listed in
+    # extra_args_unchecked, the spec author's word that it is harmless.
+    extra_args: list[Line] = []
+    extra_args_unchecked: list[Annotated[str, AfterValidator(_flag_name)]] = []
 
     @field_validator("cors_origins")
     @classmethod
@@ -138,7 +153,7 @@ class Model(Strict):
     @classmethod
     def _device_names(cls, value: list[str]) -> list[str]:
         for name in value:
-            if not DEVICE_NAME.match(name):
+            if not DEVICE_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a llama.cpp device name; use names like CUDA0, CUDA1 or none")
         return value
 
@@ -279,9 +294,14 @@ HOST_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 
 def _ready_url(value: str) -> str:
-    parsed = urllib.parse.urlsplit(value)
-    if parsed.scheme != "http" or not parsed.hostname or parsed.path != "/ready":
-        raise ValueError(f"{value!r} is not a peer's /ready URL; write e.g. http://192.168.1.12:9478/ready")
+    # The host goes bare into the ruleset (the daemon's egress to its peers): an address or a DNS name, and
+    # nothing else, so no text of a URL can close a rule and open another.
+    url = http_url(value)
+    if url is None or url.scheme != "http" or url.path != "/ready":
+        raise ValueError(
+            f"{value!r} is not a peer's /ready URL; write http://ADDRESS:PORT/ready with the peer's IP address "
+            "(or a DNS name), e.g. http://192.168.1.12:9478/ready"
+        )
     return value
 
 
@@ -312,7 +332,7 @@ class FleetMember(Strict):
     @classmethod
     def _peer_names(cls, value: dict[str, str]) -> dict[str, str]:
         for name in value:
-            if not HOST_NAME.match(name):
+            if not HOST_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a host name of the fleet; use lower-case letters, digits and -")
         return value
 

@@ -31,7 +31,7 @@ def _type_names(value: str) -> str:
     """Which names the binary lists is the dialect's to say (plan/argv.py); here only the list's shape."""
     names = [name.strip() for name in value.split(",")]
     for name in names:
-        if not SPEC_TYPE_NAME.match(name):
+        if not SPEC_TYPE_NAME.fullmatch(name):
             raise ValueError(
                 f'{name!r} is not a speculation type name; write e.g. "draft-simple", "ngram-mod", '
                 '["draft-simple", "ngram-mod"] or "none"'
@@ -122,7 +122,7 @@ WORKLOAD_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
 def _workload_names(value: dict[str, object]) -> None:
     for name in value:
-        if not WORKLOAD_NAME.match(name):
+        if not WORKLOAD_NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not a workload name of the prompt suite; use names like code, chat, long-qa")
 
 
