@@ -284,7 +284,7 @@ BAD = [
         {FIRST_LINE: f"int = 1\n{FIRST_LINE}"},
         "int",
         "unknown key",
-        "known keys here: cost, fallback, fleet, health, memory, models",
+        "known keys here: cost, engine, fallback, fleet, health, memory, models",
         "int = 1",
     ),
     Case(
