@@ -21,6 +21,9 @@ HEADER = """\
 import os, resource, signal, subprocess, sys, time, urllib.request
 REAL = {real!r}
 args = sys.argv[1:]
+# What runs is the real llama-server without its repacked (AMX) kernels, whichever build is installed: that runs
+# on every CPU, so the only crash is the one faked.
+real_args = args if "--no-repack" in args else [*args, "--no-repack"]
 with open(__file__ + ".uid", "w") as seen:
     seen.write(str(os.getuid()))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a fake crash leaves no core file behind
@@ -34,8 +37,8 @@ def die_by(number):
 
 SIGILL = """\
 if {flag!r} in args:
-    os.execv(REAL, [REAL, *args])
-child = subprocess.Popen([REAL, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    os.execv(REAL, [REAL, *real_args])
+child = subprocess.Popen([REAL, *real_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 for line in child.stdout:
     sys.stdout.write(line)
     sys.stdout.flush()
@@ -49,7 +52,7 @@ SIGSEGV = """\
 port = args[args.index("--port") + 1]
 keyed = "--api-key-file" in args
 key = open(args[args.index("--api-key-file") + 1]).read().split()[0] if keyed else ""
-child = subprocess.Popen([REAL, *args])
+child = subprocess.Popen([REAL, *real_args])
 while child.poll() is None:
     headers = {{"Authorization": "Bearer " + key}} if key else {{}}
     request = urllib.request.Request(f"http://127.0.0.1:{{port}}/metrics", headers=headers)
@@ -68,7 +71,7 @@ sys.exit(child.returncode)
 """
 
 REAL = """\
-os.execv(REAL, [REAL, *args])
+os.execv(REAL, [REAL, *real_args])
 """
 
 

@@ -117,7 +117,7 @@ def climb(
             f"no engine works on this machine ({cpu.model}): {story}. Nothing will serve from it; "
             "see `llm-appliance engine info`"
         )
-    best, _ = max(passed, key=lambda found: found[0].decode_tps)
+    best = fastest([trial for trial, _ in passed], lambda t: not ours or RUNG_BUILD[t.rung] == installed)
     if ours and RUNG_BUILD[best.rung] != installed:
         manifest = builds.install(RUNG_BUILD[best.rung])
     return EngineRecord(
@@ -130,6 +130,22 @@ def climb(
         pinned=pin != "auto",
         cpu_instruction_sets=cpu.instruction_sets,
     )
+
+
+# A rung that needs another build installed replaces the one installed only when it decodes faster by more than
+# this: within it, two samples on a busy machine cannot tell them apart, and the choice would flap proof by proof.
+SWITCH_MARGIN = 0.1
+
+
+def fastest(passed: list[Trial], installed: Callable[[Trial], bool]) -> Trial:
+    """The rung kept: the fastest that answered, unless one that runs the installed build is within the margin."""
+    best = max(passed, key=lambda t: t.decode_tps)
+    at_hand = [t for t in passed if installed(t)]
+    if not installed(best) and at_hand:
+        near = max(at_hand, key=lambda t: t.decode_tps)
+        if near.decode_tps >= (1 - SWITCH_MARGIN) * best.decode_tps:
+            return near
+    return best
 
 
 def _built_sets(binary: Path) -> tuple[str, ...]:
