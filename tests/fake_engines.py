@@ -74,6 +74,19 @@ REAL = """\
 os.execv(REAL, [REAL, *real_args])
 """
 
+# A quarter of the machine: the real server stopped three quarters of the time (SIGSTOP, SIGCONT), as a driver
+# that runs at a third of the speed would look from outside.
+SLOW = """\
+child = subprocess.Popen([REAL, *args])
+signal.signal(signal.SIGTERM, lambda *_: child.terminate())
+while child.poll() is None:
+    time.sleep(0.01)
+    child.send_signal(signal.SIGSTOP)
+    time.sleep(0.03)
+    child.send_signal(signal.SIGCONT)
+sys.exit(child.returncode)
+"""
+
 
 def _write(path: Path, real: Path, body: str) -> Path:
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -95,6 +108,10 @@ def sigsegv_after_first_token(path: Path, real: Path) -> Path:
 
 def working(path: Path, real: Path) -> Path:
     return _write(path, real, REAL)
+
+
+def slow(path: Path, real: Path) -> Path:
+    return _write(path, real, SLOW)
 
 
 def ran_as(wrapper: Path) -> int:

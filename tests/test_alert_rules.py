@@ -268,6 +268,29 @@ def cases() -> list[Case]:
     found += _flag("LlmApplianceVersionMismatch", "llm_appliance_version_mismatch")
     found += _flag("LlmApplianceVersionDrift", "llm_appliance_version_drift")
 
+    # -- the engine after a change of its fingerprint: the proof's ratio, below 1 - engine_regression --
+    alert, n = "LlmApplianceEngineRegressed", steps("LlmApplianceEngineRegressed")
+    floor = 1 - h.engine_regression
+    change = "driver 550.54 -> 560.28: decode 159 -> 40 tok/s, 0.25x"
+    slower = series("llm_appliance_engine_regression_ratio", HEALTH, change=change)
+    found += [
+        Case(
+            alert,
+            "a-driver-upgrade-quarters-decode",
+            {slower: run((0.25, n + 10))},
+            n,
+            {**HEALTH, "change": change},
+            {"{{ $labels.change }}": change, "{{ $value | humanize }}": "250m"},
+        ),
+        Case(alert, "within-the-band", {slower: run((round(floor + 0.01, 2), n + 10))}, n),
+        Case(
+            alert,
+            "nothing-changed",
+            {series("llm_appliance_engine_regression_ratio", HEALTH, change=""): run((1, n + 10))},
+            n,
+        ),
+    ]
+
     # -- restarts: the budget exhausted (a loop stopped), and more often than expected --
     found += _flag("LlmApplianceRestartBudgetExhausted", "llm_appliance_restart_budget_exhausted")
     alert, n = "LlmApplianceRestartsFrequent", steps("LlmApplianceRestartsFrequent")
@@ -487,6 +510,7 @@ def test_severity_of_paging_alerts(rules: dict[str, Rule]) -> None:
     assert critical == {
         "LlmApplianceServerDown",
         "LlmApplianceVersionMismatch",
+        "LlmApplianceEngineRegressed",
         "LlmApplianceRestartBudgetExhausted",
         "LlmApplianceHealthDaemonDown",
     }

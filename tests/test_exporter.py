@@ -131,6 +131,7 @@ def test_only_labelled_series_without_children_and_the_acceptance_are_empty() ->
         f"{PREFIX}_gpu_xid_errors",
         f"{PREFIX}_energy_joules",  # from a source's first reading: none where nothing can be read
         f"{PREFIX}_energy_per_token_joules",
+        f"{PREFIX}_engine_regression_ratio",  # the daemon sets it at start, from the engine's proof
     }
     empty = {family.name for family in text_string_to_metric_families(text) if not family.samples}
     assert empty == expected_empty

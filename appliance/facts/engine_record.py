@@ -12,10 +12,12 @@ import contextlib
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
+from appliance.facts.contention import CONTENDED_SHARE
 from appliance.facts.cpu import Cpu, read_cpu
 from appliance.facts.engine_manifest import Manifest
 from appliance.facts.gpu import Nvml, NvmlUnavailable, Pynvml
@@ -49,6 +51,8 @@ class Fingerprint:
     kernel: str
     driver: str = ""  # NVIDIA driver and CUDA (NVML), where a GPU is
     cuda: str = ""
+    gpus: str = ""  # the GPUs' models, as NVML names them
+    bindings: str = ""  # llama-cpp-python's version: the vocabulary reads go through it
 
     def changes_from(self, old: Fingerprint) -> list[str]:
         """What differs from `old`, as an operator reads it ("kernel 6.1.0-18 -> 6.1.0-21")."""
@@ -61,6 +65,8 @@ class Fingerprint:
             "kernel": "kernel",
             "driver": "driver",
             "cuda": "CUDA",
+            "gpus": "GPUs",
+            "bindings": "llama-cpp-python",
         }
         found = []
         for name, label in shown.items():
@@ -83,11 +89,23 @@ class Trial:
     prompt_tps: float = 0.0
     failure: str = ""  # the failure as an operator reads it (runtime/server_death.py)
     output_sha256: str = ""  # the greedy answer's: a build that answers differently shows
+    contended: float = 0.0  # the share of the CPUs other processes took while it was measured
 
     def summary(self) -> str:
         if self.passed:
             return f"{self.rung}: answered, decode {self.decode_tps:.1f} tok/s, prompt {self.prompt_tps:.1f} tok/s"
         return f"{self.rung}: {self.failure}"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the engine proven before a change measured: the figures a change is judged against."""
+
+    fingerprint: Fingerprint
+    decode_tps: float
+    prompt_tps: float
+    output_sha256: str
+    proven_at: str
 
 
 @dataclass(frozen=True)
@@ -99,9 +117,10 @@ class EngineRecord:
     proof_argv: tuple[str, ...]  # the command line proven (the spec's, on a loopback port of its own)
     proven_at: str
     pinned: bool = False  # the spec's engine.rung chose it, not the ladder
-    cpu_instruction_sets: tuple[
-        str, ...
-    ] = ()  # what the CPU could run: inside the units' sandbox /proc/cpuinfo is hidden
+    # What the CPU could run, as its proof saw it: inside the units' sandbox /proc/cpuinfo is hidden.
+    cpu_instruction_sets: tuple[str, ...] = ()
+    previous: Measured | None = None  # the engine before the last change of the fingerprint, as it measured
+    changed: tuple[str, ...] = ()  # what changed since `previous` ("driver 550.54 -> 560.28")
     extra: dict[str, Any] = field(default_factory=dict)  # room for later figures (bench), kept as read
 
     @property
@@ -112,6 +131,33 @@ class EngineRecord:
     @property
     def kept(self) -> Trial:
         return next(t for t in reversed(self.trials) if t.rung == self.rung and t.passed)
+
+    @property
+    def regression_ratio(self) -> float | None:
+        """Decode now over decode before the change, the same greedy prompt on the same machine; None when
+        nothing changed, or either figure was measured while other processes took the CPUs."""
+        before = self.previous
+        if before is None or before.decode_tps <= 0 or self.kept.decode_tps <= 0:
+            return None
+        if self.kept.contended > CONTENDED_SHARE:
+            return None
+        return round(self.kept.decode_tps / before.decode_tps, 3)
+
+    @property
+    def answers_differently(self) -> bool:
+        return self.previous is not None and self.previous.output_sha256 != self.kept.output_sha256
+
+    def change_summary(self) -> str:
+        """ "driver 550.54 -> 560.28: decode 159 -> 40 tok/s, 0.25x": what changed and what it did to decode."""
+        if self.previous is None:
+            return ""
+        ratio = self.regression_ratio
+        figure = (
+            f"{ratio:.2f}x" if ratio is not None else f"not judged: the CPUs were shared ({self.kept.contended:.0%})"
+        )
+        answers = "; the greedy answer changed" if self.answers_differently else ""
+        what = "; ".join(self.changed) or "the engine was proven again"
+        return f"{what}: decode {self.previous.decode_tps:.0f} -> {self.kept.decode_tps:.0f} tok/s, {figure}{answers}"
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -126,6 +172,10 @@ class EngineRecord:
             document["trials"] = tuple(Trial(**t) for t in document["trials"])
             document["proof_argv"] = tuple(document["proof_argv"])
             document["cpu_instruction_sets"] = tuple(document.get("cpu_instruction_sets", ()))
+            document["changed"] = tuple(document.get("changed", ()))
+            if document.get("previous"):
+                before = document["previous"]
+                document["previous"] = Measured(**{**before, "fingerprint": Fingerprint(**before["fingerprint"])})
             known = {f.name for f in fields(cls)}
             record = cls(**{k: v for k, v in document.items() if k in known})
         except (OSError, ValueError, TypeError, KeyError):
@@ -176,11 +226,12 @@ def current_fingerprint(
     binary: Path, manifest: Manifest | None, cpu: Cpu | None = None, nvml: Nvml | None = None
 ) -> Fingerprint:
     """What the engine that would run now is, on this machine."""
-    driver = cuda = ""
+    driver = cuda = gpus = ""
     nvml = nvml or Pynvml()
     with contextlib.suppress(NvmlUnavailable):
         driver, cuda = nvml.driver_version(), nvml.cuda_version()
-    return fingerprint_of(
+        gpus = ", ".join(gpu.name for gpu in nvml.gpus())
+    found = fingerprint_of(
         binary,
         manifest.version_line if manifest else "",
         manifest.variant if manifest else "installed",
@@ -188,6 +239,11 @@ def current_fingerprint(
         driver,
         cuda,
     )
+    try:
+        bindings = metadata.version("llama-cpp-python")
+    except metadata.PackageNotFoundError:
+        bindings = ""
+    return replace(found, gpus=gpus, bindings=bindings)
 
 
 def stale_reason(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance.facts.energy_meters import EnergyMeter, meters_for
+from appliance.facts.engine_record import EngineRecord, record_file
 from appliance.facts.gpu import Nvml
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
@@ -125,6 +126,7 @@ class HealthDaemon:
         saturation = Saturation(live, config.spec.server.parallel, health.ready_max_queued) if self.alone else None
         self.readiness.refuse_when_saturated(saturation, retry_after(config.spec))
         self.restart_log = RestartLog(appliance.state_file)
+        export_engine_regression(self.metrics, engine_record(appliance), health.engine_regression)
         self.metrics.draft_in_use.set(1 if appliance.draft_in_use else 0)
         self.metrics.speculation_configured.set(1 if appliance.speculation else 0)
         self.metrics.speculation_engaged.set(1)
@@ -226,6 +228,23 @@ class HealthDaemon:
         """A drain asked for; or a restart, unless draining for good (it is not carried out, and would wake
         every poll)."""
         return self.turn.drains.pending() or (self.turn.leaving is None and self.requests.pending())
+
+
+def export_engine_regression(metrics: Metrics, record: EngineRecord | None, band: float) -> None:
+    """Exported once at start: the engine's proof judged its last change (facts/engine_record.py); a slower
+    engine is said in the log, and restarts nothing (a restart cannot cure a slower driver)."""
+    ratio = record.regression_ratio if record is not None else None
+    change = record.change_summary() if record is not None else ""
+    metrics.engine_regression.labels(change=change).set(ratio if ratio is not None else 1.0)
+    if ratio is not None and ratio < 1 - band:
+        log.error("ENGINE REGRESSED: %s (health.engine_regression %.2f); restarts do not cure it", change, band)
+    elif change:
+        log.info("engine changed since its last proof: %s", change)
+
+
+def engine_record(appliance: Appliance, engine_dir: Path = paths.ENGINE_DIR) -> EngineRecord | None:
+    """The proof of the engine the appliance runs (readable inside the units' sandbox: /opt is read-only there)."""
+    return EngineRecord.read(record_file(Path(appliance.binary), engine_dir))
 
 
 def _evictor() -> Evictor | NotInCluster:

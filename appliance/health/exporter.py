@@ -190,6 +190,12 @@ class Metrics:
         self.version_drift = gauge(
             metric.VERSION_DRIFT, "Whether versions changed since the baseline was measured (1/0)"
         )
+        self.engine_regression = gauge(
+            metric.ENGINE_REGRESSION,
+            "Decode of the engine's proof prompt after the last change of its fingerprint over decode before it; "
+            "1 when nothing changed or it was not judged, `change` says what changed and the figures (ratio)",
+            ("change",),
+        )
         self.restarts = counter(
             metric.RESTARTS_TOTAL, "Server restarts by the appliance, by reason (restarts)", ("reason",)
         )

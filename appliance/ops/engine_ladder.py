@@ -24,6 +24,7 @@ from appliance.facts.engine_record import (
     RUNG_MEANING,
     RUNGS,
     EngineRecord,
+    Measured,
     Trial,
     current_fingerprint,
     record_file,
@@ -182,6 +183,7 @@ def ensure_proven(
     engine_dir: Path = paths.ENGINE_DIR,
     builds: Builds | None = None,
     load_timeout: float = LOAD_TIMEOUT,
+    nvml: Nvml | None = None,
 ) -> tuple[EngineRecord, bool]:
     """The record of the engine the validated spec would run, proven first when it is not (or when `force`),
     and whether a proof ran: what install, apply, up, bench, tune and the server unit's start call before
@@ -192,7 +194,7 @@ def ensure_proven(
     record = EngineRecord.read(where)
     manifest = Manifest.read(engine_dir)
     manifest = manifest if manifest is not None and Path(manifest.binary) == binary else None
-    why = "asked to prove it again" if force else stale_reason(binary, record, manifest, pin)
+    why = "asked to prove it again" if force else stale_reason(binary, record, manifest, pin, nvml)
     if why is None and record is not None:
         return record, False
     if os.geteuid() != 0:
@@ -201,10 +203,25 @@ def ensure_proven(
             f"run `sudo llm-appliance engine prove {validated.loaded.path}`"
         )
     say(f"{binary} is proven before it serves: {why}")
-    record = climb(validated, builds or EngineBuilds(engine_dir), manifest, pin, say, load_timeout)
+    record = since(record, climb(validated, builds or EngineBuilds(engine_dir), manifest, pin, say, load_timeout, nvml))
     record.write(where)
     say(f"serving from rung {record.rung}: {record.reason}")
+    if record.previous is not None:
+        say(f"measured against the engine before: {record.change_summary()}")
     return record, True
+
+
+def since(old: EngineRecord | None, new: EngineRecord) -> EngineRecord:
+    """The new proof with what it is judged against: when the fingerprint changed, the old proof's figures and
+    what changed; when it did not (a proof asked for again), whatever the old one was judged against."""
+    if old is None:
+        return new
+    changed = tuple(new.fingerprint.changes_from(old.fingerprint))
+    if not changed:
+        return replace(new, previous=old.previous, changed=old.changed)
+    kept = old.kept
+    before = Measured(old.fingerprint, kept.decode_tps, kept.prompt_tps, kept.output_sha256, old.proven_at)
+    return replace(new, previous=before, changed=changed)
 
 
 def proven_validated(spec_path: Path, say: Say, force: bool = False) -> Validated:

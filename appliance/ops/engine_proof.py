@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from appliance.facts.contention import CpuUse, contention
 from appliance.facts.cpu import Cpu
 from appliance.facts.engine_record import (
     Rung,
@@ -106,13 +107,17 @@ def run_proof(
             return _failed(rung, process, tail, reader, build_sets, cpu, f"did not load within {load_timeout:.0f} s")
         answers = []
         # Twice: the first answer warms the caches; the better of the two is the figure (a neighbour's burst
-        # on a small machine can halve one sample).
+        # on a small machine can halve one sample). What else used the CPUs meanwhile is kept with it: a figure
+        # taken beside a neighbour judges no engine (facts/engine_record.py regression_ratio).
+        ours = {os.getpid(), process.pid}
+        before = CpuUse.read(ours)
         for _ in range(PROOF_ANSWERS):
             try:
                 answers.append(api.chat(PROOF_MESSAGES, PROOF_MAX_TOKENS, timeout=ANSWER_TIMEOUT, **GREEDY))
             except ServerUnreachable as exc:
                 return _failed(rung, process, tail, reader, build_sets, cpu, f"did not answer: {exc}")
-        return _judged(rung, answers)
+        shared = contention(before, CpuUse.read(ours), ours)
+        return replace(_judged(rung, answers), contended=round(shared.share, 3) if shared else 0.0)
     finally:
         stop(process, timeout=30)
 

@@ -69,6 +69,7 @@ class View:
     metric_names: dict[str, str]  # the metrics the alerts' descriptions name, bare
     decay_ratio: float
     creep_ratio: float
+    engine_floor: float  # below this ratio the engine regressed: 1 - health.engine_regression
     min_free_bytes: int
     min_free_mib: int
     acceptance_min: float
@@ -135,6 +136,7 @@ def view(appliance: Appliance) -> View:
         metric_names={"version_info": metric.VERSION_INFO, "restarts": metric.RESTARTS_TOTAL},
         decay_ratio=spec.health.decay_ratio,
         creep_ratio=spec.health.creep_ratio,
+        engine_floor=round(1 - spec.health.engine_regression, 6),
         min_free_bytes=appliance.min_free_bytes,
         min_free_mib=spec.health.min_free_mib,
         acceptance_min=spec.health.acceptance_min,
@@ -179,6 +181,7 @@ def selectors(appliance: Appliance, labels: tuple[str, ...]) -> dict[str, str]:
         "contended": of(metric.CONTENDED),
         "version_mismatch": of(metric.VERSION_MISMATCH),
         "version_drift": of(metric.VERSION_DRIFT),
+        "engine_regression": of(metric.ENGINE_REGRESSION),
         "restart_budget_exhausted": of(metric.RESTART_BUDGET_EXHAUSTED),
         "unplanned_restarts": of(metric.RESTARTS_TOTAL, 'reason!~"scheduled|manual"'),
     }

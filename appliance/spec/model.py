@@ -217,6 +217,9 @@ class Health(Strict):
     # /ready says "saturated" (503) while every slot is busy and more requests than this wait for one: a
     # balancer or a router then sends new requests elsewhere before their first byte, rather than into a queue.
     ready_max_queued: Annotated[int, Field(ge=0, le=100_000)] = 0
+    # How much slower the engine may decode the proof's prompt after a change of its fingerprint (driver, kernel,
+    # build, CPU) before LlmApplianceEngineRegressed fires: 0.1 = below 0.9x of the figure before the change.
+    engine_regression: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.1
     baseline_file: FilePath = paths.BASELINE
 
 
@@ -260,6 +263,7 @@ class AlertForSeconds(Strict):
     box_shared: AlertFor = 1800
     version_mismatch: AlertFor = 60
     version_drift: AlertFor = 60
+    engine_regressed: AlertFor = 60
     restart_budget_exhausted: AlertFor = 60
     restarts_frequent: AlertFor = 300
     health_daemon_down: AlertFor = 300

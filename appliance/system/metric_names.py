@@ -54,6 +54,7 @@ SERVER_ON_GPU = f"{PREFIX}_server_on_gpu"
 VERSION_INFO = f"{PREFIX}_version_info"
 VERSION_MISMATCH = f"{PREFIX}_version_mismatch"
 VERSION_DRIFT = f"{PREFIX}_version_drift"
+ENGINE_REGRESSION = f"{PREFIX}_engine_regression_ratio"
 
 # Restarts.
 RESTARTS_TOTAL = f"{PREFIX}_restarts_total"
