@@ -77,7 +77,7 @@ os.execv(REAL, [REAL, *real_args])
 # A quarter of the machine: the real server stopped three quarters of the time (SIGSTOP, SIGCONT), as a driver
 # that runs at a third of the speed would look from outside.
 SLOW = """\
-child = subprocess.Popen([REAL, *args])
+child = subprocess.Popen([REAL, *real_args])
 signal.signal(signal.SIGTERM, lambda *_: child.terminate())
 while child.poll() is None:
     time.sleep(0.01)
