@@ -8,10 +8,12 @@ the fingerprint still holds: a new kernel, CPU, driver or build is an engine not
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import hashlib
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import metadata
 from pathlib import Path
@@ -266,16 +268,31 @@ def stale(record: EngineRecord | None, current: Fingerprint, binary: Path) -> st
     return f"it changed since its proof ({'; '.join(changed)})" if changed else None
 
 
+def age(stamp: str, now: float | None = None) -> str:
+    """How long ago a record's UTC time stamp was, as a person says it: 40 s, 12 min, 3 h, 5 d."""
+    try:
+        then = calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
+    except ValueError:
+        return "an unknown time"
+    seconds = max(0, int((time.time() if now is None else now) - then))
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds // size} {unit}"
+    return f"{seconds} s"
+
+
 def engine_lines(record: EngineRecord | None, stale: str | None = None) -> list[str]:
     """What `engine info`, `explain` and `status` say of the engine's proof on this machine."""
     if record is None:
         return [f"engine proof: none on this machine ({stale or 'not proven'}); apply, up and install prove it"]
     kept = record.kept
     found = [
-        f"engine rung: {record.rung}{' (pinned by engine.rung)' if record.pinned else ''}, proven {record.proven_at}: "
-        f"decode {kept.decode_tps:.1f} tok/s, prompt {kept.prompt_tps:.1f} tok/s",
+        f"engine rung: {record.rung}{' (pinned by engine.rung)' if record.pinned else ''}, proven {record.proven_at} "
+        f"({age(record.proven_at)} ago): decode {kept.decode_tps:.1f} tok/s, prompt {kept.prompt_tps:.1f} tok/s",
         f"  why: {record.reason}",
     ]
+    if record.previous is not None:
+        found.append(f"  since the engine before ({record.previous.proven_at}): {record.change_summary()}")
     if record.extra_args:
         found.append(f"  adds to the llama-server argv: {' '.join(record.extra_args)}")
     found += [f"  tried {trial.summary()}" for trial in record.trials]

@@ -195,7 +195,7 @@ def _engine(binary: Path) -> list[str]:
     manifest = manifest if manifest is not None and Path(manifest.binary) == binary else None
     record = EngineRecord.read(record_file(binary, paths.ENGINE_DIR))
     lines = engine_lines(record, stale_reason(binary, record, manifest))
-    return [lines[0], *(line for line in lines[1:] if "NOT PROVEN" in line)]
+    return [lines[0], *(line for line in lines[1:] if "NOT PROVEN" in line or "since the engine before" in line)]
 
 
 def systemd_is_init() -> bool:

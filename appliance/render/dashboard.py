@@ -54,6 +54,7 @@ class DashboardView:
     min_free_bytes: int
     min_free_mib: int
     acceptance_min: float
+    engine_floor: float  # below it the engine regressed since its last change (1 - health.engine_regression)
     router: bool  # [fallback]: the router's answers by backend
 
     def of(self, metric: str, *matchers: str) -> str:
@@ -94,6 +95,7 @@ def view(appliance: Appliance, header: str) -> DashboardView:
         min_free_bytes=appliance.min_free_bytes,
         min_free_mib=spec.health.min_free_mib,
         acceptance_min=spec.health.acceptance_min,
+        engine_floor=round(1 - spec.health.engine_regression, 6),
         router=appliance.router is not None,
     )
 
@@ -334,6 +336,15 @@ def daemon(v: DashboardView) -> list[Panel]:
             "s",
             Target(v.of(metric.CHECK_DURATION_SECONDS), "check"),
             threshold=Threshold(v.interval_seconds),
+        ),
+        timeseries(
+            "Engine since its last change",
+            "Decode of the engine's proof prompt after the last change of its fingerprint (driver, CUDA, kernel, "
+            f"build, CPU) over decode before it; under {v.engine_floor} the engine regressed "
+            "(LlmApplianceEngineRegressed), and no restart cures it. 1: nothing changed.",
+            "none",
+            Target(v.of(metric.ENGINE_REGRESSION), "{{change}}"),
+            threshold=Threshold(v.engine_floor, above_is_bad=False),
         ),
         timeseries(
             "Probe errors",
