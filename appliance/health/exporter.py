@@ -7,13 +7,11 @@ the metric's unit in brackets: "(bytes)", "(seconds)", "(tokens per second)", "(
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 from prometheus_client.exposition import make_wsgi_app
@@ -21,6 +19,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import RestrictedRegistry
 
 from appliance.health.eviction import OUTCOMES as EVICTION_OUTCOMES
+from appliance.health.serving import BoundedServer, BoundedServer6, QuietHandler
 from appliance.plan.router import NOT_READY
 from appliance.spec.address import is_ipv6
 from appliance.system import metric_names as metric
@@ -324,19 +323,6 @@ class ExporterUnavailable(Exception):
     """The metrics port cannot be opened; the message names the port and the spec field."""
 
 
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a slow scraper never holds the daemon's exit
-
-
-class _ThreadingServer6(_ThreadingServer):
-    address_family = socket.AF_INET6
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # every scrape and check is no news
-        pass
-
-
 def app(metrics: Metrics, readiness: Readiness) -> Callable[..., Iterable[bytes]]:
     """/ready for balancers; everything else is the Prometheus exposition, as before."""
     exposition = make_wsgi_app(metrics.exposed)
@@ -360,12 +346,10 @@ def app(metrics: Metrics, readiness: Readiness) -> Callable[..., Iterable[bytes]
 def serve(metrics: Metrics, host: str, port: int, readiness: Readiness | None = None) -> WSGIServer:
     """The exporter in a thread of its own: /metrics (and every other path) and /ready. Port 0 picks a free one."""
     # wsgiref's server is IPv4 unless told: an exporter on ::1 or an IPv6 address needs AF_INET6.
-    family = (
-        type("Server", (_ThreadingServer,), {"address_family": socket.AF_INET6}) if is_ipv6(host) else _ThreadingServer
-    )
+    family = BoundedServer6 if is_ipv6(host) else BoundedServer
     try:
         server: WSGIServer = make_server(
-            host, port, app(metrics, readiness or Readiness(metrics)), family, handler_class=_QuietHandler
+            host, port, app(metrics, readiness or Readiness(metrics)), family, handler_class=QuietHandler
         )
     except OSError as exc:
         raise ExporterUnavailable(
