@@ -22,6 +22,7 @@ from pathlib import Path
 
 from appliance.facts.energy_meters import EnergyMeter, meters_for
 from appliance.facts.gpu import Nvml
+from appliance.facts.keys import read_fleet_key
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
 from appliance.health.eviction import Evictor, InCluster, NotInCluster
@@ -102,7 +103,13 @@ class HealthDaemon:
         self.metrics = metrics or Metrics()
         # What /ready says to a balancer; the exporter serves the same object.
         self.readiness = readiness or Readiness(self.metrics)
-        self.read_peers = peers or reader(timeout=min(PEER_TIMEOUT_SECONDS, health.probe_timeout_seconds))
+        fleet = config.spec.fleet
+        # The fleet's key: this host proves its /ready with it, and believes no peer's that does not.
+        fleet_key = read_fleet_key(fleet.key_file) if fleet and fleet.key_file else None
+        if fleet and fleet_key:
+            self.readiness.prove_with(fleet_key, fleet.host)
+        timeout_peers = min(PEER_TIMEOUT_SECONDS, health.probe_timeout_seconds)
+        self.read_peers = peers or reader(timeout=timeout_peers, key=fleet_key)
         self.requests = RestartRequests(appliance.state_file.parent)
         key = read_api_key(appliance.api_key_file)
         timeout = min(health.probe_timeout_seconds, 0.8 * health.interval_seconds)
@@ -111,7 +118,6 @@ class HealthDaemon:
         self.cpu = cpu or CpuProbe()
         meters = meters_for(appliance.server_devices, nvml) if energy is None else energy
         self.watch = Watch(appliance, self.metrics, list(meters))
-        fleet = config.spec.fleet
         evicts = fleet is not None and fleet.turns == "eviction"
         self.turn = RestartTurn(
             config.spec, self.requests, self.metrics, self.readiness, (evictor or _evictor()) if evicts else None

@@ -18,6 +18,7 @@ from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import RestrictedRegistry
 
+from appliance.health import fleet_proof
 from appliance.health.eviction import OUTCOMES as EVICTION_OUTCOMES
 from appliance.health.serving import BoundedServer, BoundedServer6, QuietHandler
 from appliance.plan.router import NOT_READY
@@ -247,6 +248,8 @@ class Metrics:
 READY_SECONDS = "X-Llm-Appliance-Ready-Seconds"
 CLAIM = "X-Llm-Appliance-Restart-Claim"
 WANTS = "X-Llm-Appliance-Restart-Wanted"
+# What a fleet host's proof covers (health/fleet_proof.py), beside the reader's challenge and the status.
+SIGNED = (fleet_proof.HOST, READY_SECONDS, CLAIM, WANTS)
 
 
 class Readiness:
@@ -264,6 +267,8 @@ class Readiness:
         self._since = clock()
         self._claim = False
         self._wants: str | None = None
+        self._key: bytes | None = None
+        self._host = ""
         self._changed = threading.Condition(self._lock)
         self._publish()
 
@@ -285,6 +290,23 @@ class Readiness:
         reason)."""
         with self._lock:
             self._saturated, self._retry_after = saturated, dict(retry_after)
+
+    def prove_with(self, key: bytes, host: str) -> None:
+        """Answer a peer's challenge ([fleet] key_file) as `host`."""
+        with self._lock:
+            self._key, self._host = key, host
+
+    def proven(self, challenge: str, status: int, body: bytes, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The headers that prove this answer to the peer that sent `challenge`; none without a key."""
+        with self._lock:
+            key, host = self._key, self._host
+        if key is None or not fleet_proof.well_formed(challenge):
+            return []
+        signed = dict(headers) | {fleet_proof.HOST: host}
+        return [
+            (fleet_proof.HOST, host),
+            (fleet_proof.PROOF, fleet_proof.proof(key, challenge, status, body, signed, SIGNED)),
+        ]
 
     @property
     def reason(self) -> str | None:
@@ -337,7 +359,10 @@ def app(metrics: Metrics, readiness: Readiness) -> Callable[..., Iterable[bytes]
         headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
         if retry_after is not None:
             headers.append(("Retry-After", str(retry_after)))
-        start_response(status, headers + readiness.headers())
+        fleet = readiness.headers()
+        challenge = str(environ.get("HTTP_" + fleet_proof.CHALLENGE.upper().replace("-", "_"), ""))
+        fleet += readiness.proven(challenge, 200 if reason is None else 503, body, fleet)
+        start_response(status, headers + fleet)
         return [body]
 
     return route
