@@ -14,6 +14,7 @@ This module is the loop and the wiring. Its parts, each tested on its own:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -113,7 +114,8 @@ class HealthDaemon:
         self.requests = RestartRequests(appliance.state_file.parent)
         key = read_api_key(appliance.api_key_file)
         timeout = min(health.probe_timeout_seconds, 0.8 * health.interval_seconds)
-        self.api = api or ServerApi(appliance.server.url, key, timeout=timeout)
+        # The server runs as this daemon's user: the key goes to no other user's listener on its port.
+        self.api = api or ServerApi(appliance.server.url, key, timeout=timeout, listener_uid=os.geteuid())
         self.probe = ServerProbe(self.api, control, self.metrics, clock, timeout=health.probe_timeout_seconds)
         self.cpu = cpu or CpuProbe()
         meters = meters_for(appliance.server_devices, nvml) if energy is None else energy
@@ -127,7 +129,7 @@ class HealthDaemon:
         # A fleet host's balancer queues for it (maxconn = its slots), and its peers count its /ready toward
         # min_ready: saturation and degradation are a lone appliance's to say (to a router in front of it).
         self.alone = not (fleet and (fleet.peers or evicts))
-        live = ServerApi(appliance.server.url, key, timeout=SATURATION_TIMEOUT_SECONDS)
+        live = ServerApi(appliance.server.url, key, timeout=SATURATION_TIMEOUT_SECONDS, listener_uid=os.geteuid())
         saturation = Saturation(live, config.spec.server.parallel, health.ready_max_queued) if self.alone else None
         self.readiness.refuse_when_saturated(saturation, retry_after(config.spec))
         self.restart_log = RestartLog(appliance.state_file)
