@@ -86,9 +86,12 @@ class BoundedServer(WSGIServer):
                     self._wake_read.recv(4096)
                     continue
                 entry = reading[key.fileobj]  # type: ignore[index]
-                if self._read_more(entry):
+                head = self._read_more(entry)
+                if head != "more":
+                    # Out of the selector before a worker (or the close) may free its descriptor for reuse.
                     selector.unregister(entry.connection)
                     del reading[entry.connection]
+                    self._hand_on(entry, head == "whole")
             with self._lock:
                 arrived, self._arrived = self._arrived, []
             for entry in arrived:
@@ -109,32 +112,32 @@ class BoundedServer(WSGIServer):
         selector.close()
         self._wake_read.close()
 
-    def _read_more(self, entry: _Reading) -> bool:
-        """Read what arrived; True when the connection is done with here (handed to a worker, or closed)."""
+    def _read_more(self, entry: _Reading) -> str:
+        """Read what arrived: "more" to come, the "whole" head, or "broken" (closed, or too long)."""
         try:
             data = entry.connection.recv(4096)
         except BlockingIOError:
-            return False
+            return "more"
         except OSError:
             data = b""
         entry.head += data
         if not data or len(entry.head) > MAX_HEAD_BYTES:
-            self.shutdown_request(entry.connection)
-            return True
-        if b"\r\n\r\n" not in entry.head and b"\n\n" not in entry.head:
-            return False
+            return "broken"
+        return "whole" if b"\r\n\r\n" in entry.head or b"\n\n" in entry.head else "more"
+
+    def _hand_on(self, entry: _Reading, whole: bool) -> None:
+        """A whole head to a worker, unless MAX_WAITING wait already; anything else closed."""
         with self._lock:
-            full = self._waiting >= MAX_WAITING
-            if not full:
+            taken = whole and self._waiting < MAX_WAITING
+            if taken:
                 self._waiting += 1
                 self._heads[entry.connection] = entry.head
-        if full:
+        if not taken:
             self.shutdown_request(entry.connection)
-        else:
-            entry.connection.setblocking(True)
-            entry.connection.settimeout(ANSWER_SECONDS)
-            self._workers.submit(self._answer, entry.connection, entry.address)
-        return True
+            return
+        entry.connection.setblocking(True)
+        entry.connection.settimeout(ANSWER_SECONDS)
+        self._workers.submit(self._answer, entry.connection, entry.address)
 
     def _answer(self, connection: socket.socket, address: Any) -> None:
         try:
