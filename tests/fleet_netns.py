@@ -62,6 +62,7 @@ SERVER_PORT, EXPORTER_PORT = 8080, 9478  # each host's (demo.toml)
 PROMETHEUS_PORT = 9090  # on the client namespace's loopback
 BACKEND = "llm-appliance"  # the rendered backend's name
 API_KEY = "fleet-netns-key"
+FLEET_KEY = "fleet-netns-shared-fleet-key"  # the hosts prove their /ready with it
 SPEC = "demo.toml"
 # The host whose decay detector is made quick: the others never decay or hang-restart on a busy 2-core box.
 DECAY_HOST = "demo-3"
@@ -108,7 +109,7 @@ DECAY_OVERRIDES = (
 )
 
 
-def fleet_toml(keys: Path, targets_dir: Path) -> str:
+def fleet_toml(keys: Path, targets_dir: Path, fleet_key: Path) -> str:
     """Three demo hosts, quick: 1 s checks everywhere, a 3 s drain (HAProxy's 1 s x fall 2, plus one)."""
     hosts = "".join(
         f'\n[[hosts]]\nname = "{name}"\naddress = "{address}"\n' + (DECAY_OVERRIDES if name == DECAY_HOST else "")
@@ -118,6 +119,7 @@ def fleet_toml(keys: Path, targets_dir: Path) -> str:
 [fleet]
 name = "demo"
 spec = "{SPEC}"
+key_file = "{fleet_key}"
 
 [fleet.overrides.server]
 api_key_file = "{keys}"
@@ -449,9 +451,14 @@ class Fleet:
         with contextlib.suppress(KeyError):
             os.chown(key_file, 0, grp.getgrnam(SERVICE_GROUP).gr_gid)
         key_file.chmod(0o640)
+        fleet_key = keys / "fleet-key"
+        fleet_key.write_text(f"{FLEET_KEY}\n")
+        with contextlib.suppress(KeyError):
+            os.chown(fleet_key, 0, grp.getgrnam(SERVICE_GROUP).gr_gid)
+        fleet_key.chmod(0o640)
         spec = (EXAMPLES / SPEC).read_text().replace(INSTALLED_MODELS, str(self.models))
         (self.work / SPEC).write_text(spec)
-        (self.work / "fleet.toml").write_text(fleet_toml(key_file, self.out / "prometheus" / "targets"))
+        (self.work / "fleet.toml").write_text(fleet_toml(key_file, self.out / "prometheus" / "targets", fleet_key))
 
     def _render(self) -> None:
         argv = [sys.executable, "-m", "appliance.cli.main", "fleet", "render", str(self.work / "fleet.toml")]

@@ -39,6 +39,7 @@ NETWORK_ALLOW = '[network]\nallow = ["127.0.0.0/8", "::1/128"]\n'
 LOOPBACK = 'host = "127.0.0.1"'
 PROMETHEUS = "[prometheus]\n"
 SPECULATIVE_END = "p_min = 0.0\n"  # the last line of appliance.toml's [speculative]
+FLEET = '\n[fleet]\nhost = "gpu-1"\npeers = { gpu-2 = "http://10.0.0.12:9478/ready" }\nmin_ready = 1\n'
 
 
 def trimmed_dialect(source: str, flag_prefix: str, spec_type: str | None = None) -> Dialect:
@@ -596,6 +597,31 @@ BAD = [
         "mode 0660 lets llm-appliance rewrite the keys",
         "chmod 0640",
         "api_key_file",
+    ),
+    # -- [fleet]: the peers prove their /ready with the fleet's key --
+    Case(
+        "fleet-peers-without-key",
+        {SPECULATIVE_END: SPECULATIVE_END + FLEET},
+        "fleet",
+        "could block every restart or fake a peer's readiness; create one key for the fleet",
+        "",
+        "[fleet]",
+    ),
+    Case(
+        "fleet-key-world-readable",
+        {SPECULATIVE_END: SPECULATIVE_END + FLEET + 'key_file = "$KEYS/fleet-world.key"\n'},
+        "fleet.key_file",
+        "mode 0644 opens it to every user on this machine",
+        "chmod 0640",
+        "key_file",
+    ),
+    Case(
+        "fleet-key-too-short",
+        {SPECULATIVE_END: SPECULATIVE_END + FLEET + 'key_file = "$KEYS/api.key"\n'},
+        "fleet.key_file",
+        "must hold one key of 16 characters or more, on one line",
+        "openssl rand -hex 32",
+        "key_file",
     ),
     Case(
         "api-key-file-in-a-closed-directory",
@@ -1272,6 +1298,7 @@ def key_files(key_file: KeyFile) -> Path:
         ("group-writable.key", "secret\n", 0o660, group),
         ("empty.key", "# no key yet\n\n", 0o640, group),
         ("spaced.key", "k-one \n", 0o640, group),
+        ("fleet-world.key", "a-fleet-key-long-enough\n", 0o644, group),
     ):
         (directory / name).write_text(text)
         os.chown(directory / name, 0, owner_group)

@@ -177,7 +177,13 @@ def test_alone_a_wanted_restart_drains_for_the_requests_in_flight_then_restarts(
 
 
 def test_in_a_fleet_the_turn_claims_first_and_waits_while_too_few_peers_serve(tmp_path: Path) -> None:
-    fleet = {"host": "b", "peers": {"a": "http://a/ready", "c": "http://c/ready"}, "min_ready": 1, "drain_seconds": 10}
+    fleet = {
+        "host": "b",
+        "peers": {"a": "http://a/ready", "c": "http://c/ready"},
+        "key_file": "/etc/llm-appliance/fleet-key",
+        "min_ready": 1,
+        "drain_seconds": 10,
+    }
     turn = turn_of(tmp_path, fleet=fleet)
     serving = Peer("a", True, ready_seconds=1e6)
     peers = Peers(serving, Peer("c", False, "down"))
@@ -194,7 +200,12 @@ def test_in_a_fleet_the_turn_claims_first_and_waits_while_too_few_peers_serve(tm
 
 
 def test_a_fleet_decaying_at_once_is_held(tmp_path: Path) -> None:
-    fleet = {"host": "b", "peers": {"a": "http://a/ready", "c": "http://c/ready"}, "min_ready": 1}
+    fleet = {
+        "host": "b",
+        "peers": {"a": "http://a/ready", "c": "http://c/ready"},
+        "key_file": "/etc/llm-appliance/fleet-key",
+        "min_ready": 1,
+    }
     turn = turn_of(tmp_path, fleet=fleet)
     peers = Peers(Peer("a", True, ready_seconds=1e6, wants="decay"), Peer("c", True, ready_seconds=1e6))
     assert turn.step(0, Observation(up=True, reason="decay"), peers).kind == "held"

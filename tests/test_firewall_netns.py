@@ -460,7 +460,8 @@ def test_egress_allow_lets_the_service_user_resolve(srv: Net, rulesets: dict[str
 def test_egress_allow_lets_the_service_user_out(srv: Net, rulesets: dict[str, str]) -> None:
     srv.load(rulesets["allow"], "llm-appliance-allow.nft")  # replaces the denying table in place
     chains = {item["chain"]["name"] for item in srv.listing() if "chain" in item}  # type: ignore[index]
-    assert chains == {"input"}
+    # No egress filter: the output hook only keeps the appliance's ports its own.
+    assert chains == {"input", "output", "own_ports"}
     for outside in (OUT_V4, OUT_V6):
         _answered_by(srv.curl(srv.srv, outside, OUTSIDE_PORT, as_user=True), "outside")
     _answered_by(srv.curl(srv.srv, "127.0.0.1", API_PORT, as_user=True), "api")
@@ -521,7 +522,7 @@ def test_loading_twice_keeps_the_admin_table_and_one_copy(srv: Net, rulesets: di
     assert srv.tables() == {"inet admin", f"inet {TABLE}"}
     assert _shape(srv.listing()) == first  # replaced, not appended to
     rules = [item for item in srv.listing() if "rule" in item]
-    assert len(rules) == 7, rules  # 4 input + 3 output: one copy
+    assert len(rules) == 10, rules  # 4 input + 4 output + 2 own_ports: one copy
     admin = srv.listing("admin")
     assert [item["chain"]["name"] for item in admin if "chain" in item] == ["c"]  # type: ignore[index]
     # Still working after the reload.
@@ -536,3 +537,125 @@ def test_removal_leaves_the_admin_table(srv: Net) -> None:
     # Nothing of ours is left filtering.
     _answered_by(srv.curl(srv.bad, SRV_BAD_V4, API_PORT), "api")
     _answered_by(srv.curl(srv.srv, OUT_V4, OUTSIDE_PORT, as_user=True), "outside")
+
+
+# --- the appliance's ports are its own -------------------------------------------------------------------
+
+ROUTER_PORT = 8000  # [fallback] port's default
+THE_KEY = "sk-the-api-key-a-squatter-wants"
+# A listener as anyone may run one on a free port >= 1024: it prints (in hex) every byte a client sends it.
+SQUATTER = r"""
+import socket, sys
+port = int(sys.argv[1])
+server = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+server.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("::", port))
+server.listen(64)
+print("listening", flush=True)
+while True:
+    conn, _ = server.accept()
+    conn.settimeout(2)
+    try:
+        data = conn.recv(65536)
+    except OSError:
+        data = b""
+    print(data.hex(), flush=True)
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    conn.close()
+"""
+# The one client that sends the key (runtime/server_api.py), as the daemon, the launcher and `status` call it.
+KEY_CLIENT = r"""
+import sys
+from appliance.runtime.server_api import ServerApi, ServerUnreachable
+try:
+    print("answered", ServerApi(sys.argv[1], sys.argv[2], timeout=float(sys.argv[3])).health())
+except ServerUnreachable as exc:
+    print("unreachable", exc)
+"""
+
+
+@pytest.fixture
+def lone(service_user: str) -> Iterator[str]:
+    """A namespace of its own, loopback only: every port in it is free, as the server's is while it restarts."""
+    ip = _tool("ip")
+    name = f"lla-{os.getpid()}-lone"
+    if _run([ip, "netns", "add", name]).returncode != 0:
+        pytest.skip("`ip netns add` is not permitted here (needs root / CAP_NET_ADMIN)")
+    try:
+        _check([ip, "-n", name, "link", "set", "lo", "up"])
+        yield name
+    finally:
+        _run([ip, "netns", "delete", name])
+
+
+class Listener:
+    """A SQUATTER in a namespace, as `user`: what it was sent comes back when it is stopped."""
+
+    def __init__(self, ns: str, user: str, port: int) -> None:
+        group = _check(["id", "-gn", user]).strip()
+        argv = [_tool("setpriv"), "--reuid", user, "--regid", group, "--clear-groups"]
+        self.process = subprocess.Popen(
+            [_tool("ip"), "netns", "exec", ns, *argv, sys.executable, "-c", SQUATTER, str(port)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        if self.process.stdout.readline() != "listening\n":
+            self.stop()
+            pytest.fail(f"the listener as {user} did not start: {self.process.stderr}")
+
+    def stop(self) -> bytes:
+        """Everything it received."""
+        self.process.kill()
+        out, _ = self.process.communicate()
+        return b"".join(bytes.fromhex(line) for line in out.split())
+
+
+def _send_key(ns: str, port: int, as_user: bool, host: str = "127.0.0.1") -> str:
+    user = _as_service_user() if as_user else []
+    env = ["env", f"PYTHONPATH={Path(__file__).resolve().parent.parent}"]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    argv = [_tool("ip"), "netns", "exec", ns, *user, *env, sys.executable, "-c", KEY_CLIENT, url, THE_KEY, "2"]
+    return _check(argv).strip()
+
+
+@pytest.mark.parametrize(
+    ("ruleset", "port", "owner"),
+    [
+        ("deny", API_PORT, paths.SERVICE_USER),
+        ("allow", API_PORT, paths.SERVICE_USER),
+        ("deny", EXPORTER_PORT, paths.SERVICE_USER),
+        ("fallback", ROUTER_PORT, paths.ROUTER_USER),
+    ],
+    ids=["api", "api-egress-allow", "exporter", "router"],
+)
+def test_a_local_user_squatting_a_port_gets_no_key(
+    lone: str, rulesets: dict[str, str], tmp_path: Path, ruleset: str, port: int, owner: str
+) -> None:
+    """While the server restarts its port is free: `nobody` listens there. Without the ruleset, the daemon's and
+    root's request hands it the API key (the attack); with it, the handshake never completes, and the port's own
+    user still answers once it listens again."""
+    squatter = Listener(lone, "nobody", port)
+    try:
+        assert _send_key(lone, port, as_user=False).startswith("answered")
+    finally:
+        received = squatter.stop()
+    assert THE_KEY.encode() in received, "the attack itself failed: no key reached the squatter"
+    (tmp_path / ruleset).write_text(rulesets[ruleset])
+    _check([_tool("ip"), "netns", "exec", lone, _tool("nft"), "-f", str(tmp_path / ruleset)])
+    squatter = Listener(lone, "nobody", port)
+    try:
+        for as_user, host in ((False, "127.0.0.1"), (True, "127.0.0.1"), (False, "::1")):
+            answer = _send_key(lone, port, as_user, host)
+            assert answer.startswith("unreachable"), answer
+    finally:
+        received = squatter.stop()
+    assert received == b"", f"the squatter received {received[:200]!r}"
+    rightful = Listener(lone, owner, port)
+    try:
+        assert _send_key(lone, port, as_user=False).startswith("answered")
+    finally:
+        assert THE_KEY.encode() in rightful.stop()

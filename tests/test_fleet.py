@@ -85,10 +85,13 @@ def fleet_file(tmp_path: Path, example: Callable[..., Path], key_file: KeyFile) 
     directory in tmp_path."""
     example("demo.toml")
     keys = key_file("fleet-key-1")
+    fleet_key = key_file("the-fleet-shares-this-key", name="fleet-key")
     return write_fleet(
         tmp_path,
-        lambda text: text.replace("/etc/llm-appliance/api-keys", str(keys)).replace(
-            "[prometheus]\n", f'[prometheus]\nfiles_dir = "{tmp_path / "out" / "prometheus" / "targets"}"\n'
+        lambda text: (
+            text.replace("/etc/llm-appliance/api-keys", str(keys))
+            .replace("/etc/llm-appliance/fleet-key", str(fleet_key))
+            .replace("[prometheus]\n", f'[prometheus]\nfiles_dir = "{tmp_path / "out" / "prometheus" / "targets"}"\n')
         ),
     )
 
@@ -121,7 +124,9 @@ def test_each_host_tree_is_its_derived_spec_rendered(rendered: Path) -> None:
     )
 
 
-def test_each_host_spec_names_its_peers_min_ready_and_the_drain(rendered: Path) -> None:
+def test_each_host_spec_names_its_peers_min_ready_and_the_drain(rendered: Path, fleet_file: Path) -> None:
+    key_file = re.search(r'^key_file = "([^"]+)"', fleet_file.read_text(), re.MULTILINE)
+    assert key_file is not None
     for index, name in enumerate(["demo-1", "demo-2", "demo-3"]):
         spec = json.loads((rendered / "hosts" / name / "etc/llm-appliance/rendered/appliance.json").read_text())["spec"]
         others = {f"demo-{i + 1}": f"http://10.0.0.{11 + i}:9478/ready" for i in range(3) if i != index}
@@ -133,6 +138,7 @@ def test_each_host_spec_names_its_peers_min_ready_and_the_drain(rendered: Path) 
             "drain_seconds": 6,
             "settle_seconds": 6,
             "turns": "peers",
+            "key_file": key_file[1],  # the same on every host: they prove their /ready with it
         }
         # Peers read this host's /ready: each is a client of its exporter.
         assert {f"10.0.0.{11 + i}/32" for i in range(3) if i != index} <= set(spec["network"]["allow"])
@@ -482,3 +488,16 @@ def test_a_fleet_fallback_that_cannot_work_is_refused(
     err = capsys.readouterr().err
     assert f": error: {field}: " in err and words in err, err
     assert not out.exists()  # nothing half-written
+
+
+def test_a_fleet_without_its_key_is_refused(
+    fleet_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Peers that take turns without proving their /ready: any host at a peer's address could hold every
+    restart. The fleet file must name the key its hosts share."""
+    fleet_file.write_text(re.sub(r'^key_file = "[^"]*"\n', "", fleet_file.read_text(), flags=re.MULTILINE))
+    out = tmp_path / "refused"
+    assert main(["fleet", "render", str(fleet_file), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "peers without key_file" in err and "[fleet] key_file" in err, err
+    assert not out.exists()

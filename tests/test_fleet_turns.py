@@ -26,6 +26,9 @@ from appliance.runtime.server_api import ServerUnreachable
 
 DRAIN = 4
 SETTLE = 6
+FLEET_KEY = b"the-fleet-key-of-these-tests"
+# Every peer exporter made here, by URL: a rig's fleet names each one, which then proves its /ready as that host.
+SERVED: dict[str, Exporter] = {}
 
 
 def free_port() -> int:
@@ -43,6 +46,7 @@ class Exporter:
         self.readiness = readiness or Readiness(Metrics(CollectorRegistry()), clock=self.clock)
         self.server = serve(Metrics(CollectorRegistry()), "127.0.0.1", port or 0, self.readiness)
         self.url = f"http://127.0.0.1:{self.server.server_port}/ready"
+        SERVED[self.url] = self
 
     def ready(self, for_seconds: float = 3600) -> Exporter:
         self.readiness.set(None)
@@ -65,7 +69,14 @@ def exporters() -> Iterator[list[Exporter]]:
 def fleet_rig(
     tmp_path: Path, me: str, peers: dict[str, str], min_ready: int, settle: int = SETTLE, **sections: Any
 ) -> Rig:
+    key = tmp_path / "fleet-key"
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    key.write_bytes(FLEET_KEY + b"\n")
+    for name, url in peers.items():
+        if url in SERVED:
+            SERVED[url].readiness.prove_with(FLEET_KEY, name)
     fleet = {"host": me, "peers": peers, "min_ready": min_ready, "drain_seconds": DRAIN, "settle_seconds": settle}
+    fleet["key_file"] = str(key)
     return Rig(tmp_path, make_spec(tmp_path, fleet=fleet, restart={"cooldown_seconds": 0}, **sections))
 
 
@@ -279,3 +290,65 @@ def test_a_hung_host_restarts_without_waiting_for_its_turn(tmp_path: Path, expor
     assert actions[-1] == "drain", actions  # out of the rotation already: no claim, only the drain's own wait
     assert poll(rig, DRAIN) == "restart"
     assert rig.control.restarts == ["hang"]
+
+
+# -- peers prove their /ready; a claim or a restart does not hold the turn for ever --
+
+
+def test_a_peer_is_believed_only_with_the_fleet_key(exporters: list[Exporter]) -> None:
+    honest, impostor, stranger = Exporter().ready(), Exporter().ready(), Exporter().ready()
+    exporters += [honest, impostor, stranger]
+    honest.readiness.prove_with(FLEET_KEY, "a")
+    impostor.readiness.prove_with(b"not-the-fleet-key", "a")
+    stranger.readiness.restart_wanted("decay", claim=True)  # no key at all: a host anyone could run
+    assert read_peer("a", honest.url, 5, FLEET_KEY) == Peer("a", True, None, 3600.0, False, None)
+    for fake in (impostor, stranger):
+        answer = read_peer("a", fake.url, 5, FLEET_KEY)
+        assert not answer.ready and not answer.claim and answer.wants is None, answer
+        assert answer.reason is not None and answer.reason.startswith("unauthenticated"), answer
+    # The honest host's own proof, for another host's name: not that host's answer.
+    assert read_peer("c", honest.url, 5, FLEET_KEY).reason.startswith("unauthenticated")  # type: ignore[union-attr]
+
+
+def test_a_peer_without_the_key_blocks_no_restart(tmp_path: Path, exporters: list[Exporter]) -> None:
+    """The attack: a host at a peer's address says "draining" for ever, which held every other host's restart."""
+    a, c = Exporter().ready(), Exporter()
+    exporters += [a, c]
+    rig = fleet_rig(tmp_path, "b", {"a": a.url, "c": c.url}, min_ready=1)
+    c.readiness.prove_with(b"a-key-of-its-own", "c")
+    c.readiness.set("draining")
+    c.readiness.restart_wanted("decay", claim=True)
+    assert want_decay(rig) == "claim"
+    assert poll(rig) == "drain"
+    assert poll(rig, DRAIN) == "restart"
+    assert rig.value("llm_appliance_fleet_peers_ready") == 1  # a alone: c's word counts for nothing
+
+
+def test_a_claim_held_too_long_is_ignored(tmp_path: Path, exporters: list[Exporter]) -> None:
+    """a (sorting first) claims and never drains: b waits a few checks, then takes its turn."""
+    a, c = Exporter().ready(), Exporter().ready()
+    exporters += [a, c]
+    rig = fleet_rig(tmp_path, "b", {"a": a.url, "c": c.url}, min_ready=1)
+    a.readiness.restart_wanted("creep", claim=True)
+    assert want_decay(rig) == "wait"
+    expiry = rig.daemon.turn.clocks.claim_seconds
+    waited = 0.0
+    while waited + 5 <= expiry:
+        waited += 5
+        assert poll(rig, 5) == "wait", f"{waited:.0f} s into a's claim"
+    assert poll(rig, 10) == "claim"
+
+
+def test_a_restart_that_never_ends_stops_holding_the_turn(tmp_path: Path, exporters: list[Exporter]) -> None:
+    a, c = Exporter().ready(), Exporter().ready()
+    exporters += [a, c]
+    rig = fleet_rig(tmp_path, "b", {"a": a.url, "c": c.url}, min_ready=1)
+    a.readiness.set("draining")
+    assert want_decay(rig) == "wait"
+    clocks = rig.daemon.turn.clocks
+    step = clocks.claim_seconds / 2  # read often enough to count as one unbroken drain
+    waited = 0.0
+    while waited + step <= clocks.turn_seconds:
+        waited += step
+        assert poll(rig, step) == "wait", f"{waited:.0f} s into a's drain"
+    assert poll(rig, step) == "claim"

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE_FACTS, EXAMPLES
+from conftest import EXAMPLE_FACTS, EXAMPLES, KeyFile
 
 from appliance.cli.main import main
 from appliance.fleet.load import load_fleet
@@ -177,9 +177,13 @@ def test_the_peer_that_lifts_every_egress_limit_renders_nothing(
     ],
 )
 def test_a_peer_by_name_only_where_no_ruleset_names_it(
-    example: Callable[..., Path], url: str, turns: str, refused: bool
+    example: Callable[..., Path], key_file: KeyFile, url: str, turns: str, refused: bool
 ) -> None:
-    fleet = PEERS.format(value=_toml(url)) + f'turns = "{turns}"\n'
+    # With the fleet's key: peers are believed only with it, and its absence is a problem of its own.
+    fleet = (
+        PEERS.format(value=_toml(url))
+        + f'turns = "{turns}"\nkey_file = "{key_file("0123456789abcdef0123456789abcdef")}"\n'
+    )
     spec = example("demo.toml", replace={"[network]": fleet + "\n[network]"})
     if not refused:
         validate(spec, facts=EXAMPLE_FACTS["demo.toml"])

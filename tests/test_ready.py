@@ -4,7 +4,9 @@ gauges; and the real demo saying it is saturated while a request waits for its o
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -16,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from test_health_daemon import REQUEST_SECONDS, fast_demo, wait_ready, wait_until
 from test_launch import LOAD_SECONDS, free_port
 
+from appliance.health import serving
 from appliance.health.exporter import Metrics, Readiness, serve
 from appliance.plan.router import NOT_READY
 from appliance.runtime.server_api import ServerApi, Streamed
@@ -62,6 +65,66 @@ def test_metrics_are_still_served_with_the_ready_and_draining_gauges(exporter: t
     readiness.set(None)
     _, text = get(f"{url}/metrics")
     assert "llm_appliance_ready 1.0" in text and "llm_appliance_draining 0.0" in text
+
+
+def _half_sent(port: int, count: int) -> list[socket.socket]:
+    """The attack: connections that send half a request head, and wait."""
+    held = []
+    for _ in range(count):
+        connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+        connection.sendall(b"GET /ready HTTP/1.1\r\nHost: the-exporter\r\n")  # no blank line: no end to the head
+        held.append(connection)
+    return held
+
+
+def _closed_by_the_server(connection: socket.socket) -> bool:
+    connection.setblocking(True)  # with a timeout, Python would wait for data before MSG_DONTWAIT counts
+    try:
+        return connection.recv(1, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:  # still open, nothing sent
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_half_sent_requests_hold_no_thread_and_ready_still_answers(exporter: tuple[str, Readiness]) -> None:
+    """300 half-sent requests held 302 threads of the old exporter, and past the file limit /ready died: now they
+    hold no thread, the oldest past serving.MAX_READING are closed, and /ready answers at once beside them."""
+    url, readiness = exporter
+    readiness.set(None)
+    before = threading.active_count()
+    held = _half_sent(int(url.rsplit(":", 1)[1]), 300)
+    try:
+        time.sleep(0.5)
+        assert threading.active_count() <= before + serving.WORKERS
+        started = time.monotonic()
+        assert get(f"{url}/ready") == (200, "ready\n")
+        assert time.monotonic() - started < 2
+        assert get(f"{url}/metrics")[0] == 200
+        assert threading.active_count() <= before + serving.WORKERS
+        time.sleep(0.2)
+        # The oldest made room for the newest (the two requests beside them too).
+        closed = [_closed_by_the_server(c) for c in held]
+        assert all(closed[: 300 - serving.MAX_READING]), closed
+        assert not any(closed[-200:]), closed
+    finally:
+        for connection in held:
+            connection.close()
+
+
+def test_a_head_that_does_not_end_is_closed_in_time(
+    exporter: tuple[str, Readiness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serving, "HEAD_SECONDS", 1.0)
+    url, _ = exporter
+    (held,) = _half_sent(int(url.rsplit(":", 1)[1]), 1)
+    try:
+        started = time.monotonic()
+        held.settimeout(5)
+        assert held.recv(1) == b""  # closed, unanswered
+        assert 0.5 < time.monotonic() - started < 3
+    finally:
+        held.close()
 
 
 def test_an_unknown_reason_is_a_bug() -> None:

@@ -179,11 +179,15 @@ def test_loopback_example_sets(example: Callable[..., Path]) -> None:
     assert _set_elements(ruleset, "api_clients_v6") == ["::1/128"]
 
 
-def test_egress_allow_has_no_output_chain(lan_spec: Callable[..., Path], service_user: str) -> None:
+def test_egress_allow_filters_no_egress(lan_spec: Callable[..., Path], service_user: str) -> None:
     files = _render(lan_spec(**{'egress = "deny"': 'egress = "allow"'}), "demo-draft.toml")
     ruleset = files[NFT]
-    assert "chain output" not in ruleset
-    assert "skuid" not in ruleset
+    # The output hook keeps the appliance's ports its own (a squatter's SYN-ACK), and filters nothing else.
+    output = ruleset[ruleset.index("chain output") :]
+    assert [line.strip() for line in output.splitlines()[2:-2]] == [
+        "tcp sport { 8080, 9478 } tcp flags & (syn | ack) == syn | ack jump own_ports"
+    ]
+    assert "egress denied" not in ruleset
     assert "chain input" in ruleset
     _accepted(files)
 
@@ -207,7 +211,7 @@ def test_lan_ruleset_loads_and_reads_back(lan_spec: Callable[..., Path], service
     assert sets["api_clients_v4"]["elem"] == [{"prefix": {"addr": "192.168.7.0", "len": 24}}]
     assert sets["api_clients_v6"]["elem"] == [{"prefix": {"addr": "fd00::", "len": 8}}]
     chains = {item["chain"]["name"]: item["chain"] for item in listed if "chain" in item}
-    assert set(chains) == {"input", "output"}
+    assert set(chains) == {"input", "output", "own_ports"}
     assert (chains["input"]["hook"], chains["input"]["policy"]) == ("input", "accept")
     # The server and exporter ports are the ones dropped for other clients.
     drops = [

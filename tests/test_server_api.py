@@ -5,13 +5,19 @@ bench's and the fleet tests'."""
 from __future__ import annotations
 
 import json
+import os
+import pwd
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from appliance.runtime.server_api import ServerApi
+from appliance.facts.listeners import listening_uids
+from appliance.runtime.server_api import ServerApi, ServerUnreachable
 
 
 def event(chunk: dict[str, object]) -> bytes:
@@ -85,3 +91,66 @@ def test_nothing_listening_is_no_response_not_an_exception() -> None:
         port = taken.server_address[1]
     answer = ServerApi(f"http://127.0.0.1:{port}").stream("/whole", {})
     assert answer.status is None and answer.error.startswith("no response: ConnectionRefusedError")
+
+
+# -- the key goes to the server's own listener only --
+
+
+def test_the_key_is_not_sent_to_another_users_listener() -> None:
+    """While the server restarts its port is free: `nobody` listens there. The launcher and the daemon (the
+    server's user) send the key to nothing but a listener of their own uid."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to listen as another user")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    as_nobody = ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups"]
+    squatter = subprocess.Popen([*as_nobody, sys.executable, "-c", SQUATTER, str(port)], stdout=subprocess.PIPE)
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline() == b"listening\n"
+        nobody = pwd.getpwnam("nobody").pw_uid
+        assert listening_uids(port) == {nobody}
+        guarded = ServerApi(f"http://127.0.0.1:{port}", "sk-the-key", timeout=2, listener_uid=os.geteuid())
+        with pytest.raises(ServerUnreachable, match=f"held by uid {nobody}, not the server's"):
+            guarded.health()
+        assert "held by uid" in guarded.stream("/completion", {"prompt": "hi"}).error
+        # The attack itself: the same request without the check hands the squatter the key. Without a key
+        # there is nothing to keep from it.
+        ServerApi(f"http://127.0.0.1:{port}", "sk-the-key", timeout=2).health()
+        assert ServerApi(f"http://127.0.0.1:{port}", None, timeout=2, listener_uid=os.geteuid()).health() == 200
+    finally:
+        squatter.kill()
+        out, _ = squatter.communicate()
+    received = [bytes.fromhex(line.decode()) for line in out.split()]
+    assert len(received) == 2, "the guarded requests reached the squatter"
+    assert b"sk-the-key" in received[0] and b"sk-the-key" not in received[1]
+
+
+def test_listeners_are_read_from_the_kernel() -> None:
+    with socket.socket(socket.AF_INET6) as server:
+        server.bind(("::1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert listening_uids(port) == {os.geteuid()}
+    assert listening_uids(port) == set()
+
+
+# A listener anyone may run: it prints (in hex) what each client sends it, and answers 200.
+SQUATTER = r"""
+import socket, sys
+port = int(sys.argv[1])
+server = socket.socket()
+server.bind(("127.0.0.1", port))
+server.listen(8)
+print("listening", flush=True)
+while True:
+    conn, _ = server.accept()
+    conn.settimeout(2)
+    try:
+        data = conn.recv(65536)
+    except OSError:
+        data = b""
+    print(data.hex(), flush=True)
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    conn.close()
+"""

@@ -21,3 +21,8 @@ def read_keys(path: Path) -> list[str]:
 def bearer_token(text: str) -> str:
     """What Prometheus sends for a credentials file."""
     return text.strip()
+
+
+def read_fleet_key(path: Path) -> bytes:
+    """[fleet] key_file: one line, trimmed as a bearer token is (the HMAC key of the peers' /ready)."""
+    return bearer_token(path.read_text()).encode()

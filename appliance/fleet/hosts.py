@@ -135,6 +135,8 @@ def _member(fleet: LoadedFleet, host: Host) -> Table:
     table["drain_seconds"] = drain_seconds(fleet.fleet.balancer)
     table["settle_seconds"] = settle_seconds(fleet.fleet.balancer)
     table["turns"] = "peers"  # the daemons settle the turns among themselves (k8s render writes "eviction")
+    if fleet.fleet.fleet.key_file is not None:
+        table["key_file"] = str(fleet.fleet.fleet.key_file)
     return table
 
 

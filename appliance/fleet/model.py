@@ -169,6 +169,9 @@ class FleetOptions(Strict):
     # The `appliance` label of every target and alert of this fleet.
     name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
     spec: FilePath | None = None  # the shared spec, relative to the fleet file
+    # The fleet's shared key, as every host names it ([fleet] key_file of its spec): the same file on each,
+    # root:llm-appliance 0640. `fleet render` requires it; `k8s render` has the cluster settle the turns.
+    key_file: FilePath | None = None
     # Tables of the spec merged over every host's (before the host's own overrides), e.g. the API key file.
     overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)
 

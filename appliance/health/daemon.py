@@ -14,6 +14,7 @@ This module is the loop and the wiring. Its parts, each tested on its own:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from pathlib import Path
 from appliance.facts.energy_meters import EnergyMeter, meters_for
 from appliance.facts.engine_record import EngineRecord, record_file
 from appliance.facts.gpu import Nvml
+from appliance.facts.keys import read_fleet_key
 from appliance.health import versions
 from appliance.health.detectors import CANARY_BUCKET
 from appliance.health.eviction import Evictor, InCluster, NotInCluster
@@ -103,16 +105,22 @@ class HealthDaemon:
         self.metrics = metrics or Metrics()
         # What /ready says to a balancer; the exporter serves the same object.
         self.readiness = readiness or Readiness(self.metrics)
-        self.read_peers = peers or reader(timeout=min(PEER_TIMEOUT_SECONDS, health.probe_timeout_seconds))
+        fleet = config.spec.fleet
+        # The fleet's key: this host proves its /ready with it, and believes no peer's that does not.
+        fleet_key = read_fleet_key(fleet.key_file) if fleet and fleet.key_file else None
+        if fleet and fleet_key:
+            self.readiness.prove_with(fleet_key, fleet.host)
+        timeout_peers = min(PEER_TIMEOUT_SECONDS, health.probe_timeout_seconds)
+        self.read_peers = peers or reader(timeout=timeout_peers, key=fleet_key)
         self.requests = RestartRequests(appliance.state_file.parent)
         key = read_api_key(appliance.api_key_file)
         timeout = min(health.probe_timeout_seconds, 0.8 * health.interval_seconds)
-        self.api = api or ServerApi(appliance.server.url, key, timeout=timeout)
+        # The server runs as this daemon's user: the key goes to no other user's listener on its port.
+        self.api = api or ServerApi(appliance.server.url, key, timeout=timeout, listener_uid=os.geteuid())
         self.probe = ServerProbe(self.api, control, self.metrics, clock, timeout=health.probe_timeout_seconds)
         self.cpu = cpu or CpuProbe()
         meters = meters_for(appliance.server_devices, nvml) if energy is None else energy
         self.watch = Watch(appliance, self.metrics, list(meters))
-        fleet = config.spec.fleet
         evicts = fleet is not None and fleet.turns == "eviction"
         self.turn = RestartTurn(
             config.spec, self.requests, self.metrics, self.readiness, (evictor or _evictor()) if evicts else None
@@ -122,7 +130,7 @@ class HealthDaemon:
         # A fleet host's balancer queues for it (maxconn = its slots), and its peers count its /ready toward
         # min_ready: saturation and degradation are a lone appliance's to say (to a router in front of it).
         self.alone = not (fleet and (fleet.peers or evicts))
-        live = ServerApi(appliance.server.url, key, timeout=SATURATION_TIMEOUT_SECONDS)
+        live = ServerApi(appliance.server.url, key, timeout=SATURATION_TIMEOUT_SECONDS, listener_uid=os.geteuid())
         saturation = Saturation(live, config.spec.server.parallel, health.ready_max_queued) if self.alone else None
         self.readiness.refuse_when_saturated(saturation, retry_after(config.spec))
         self.restart_log = RestartLog(appliance.state_file)

@@ -8,7 +8,7 @@ busy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from appliance.health.peers import Peer
@@ -96,3 +96,38 @@ def restart_turn(
     if not claimed:
         return TurnVerdict("claim", short)
     return TurnVerdict("go", short)
+
+
+@dataclass
+class PeerClocks:
+    """How long this host has seen each peer hold a claim (while ready) or stay restarting, by its own clock, not
+    the peer's word. A claim turns into a drain at the peer's next check, and a restart ends when the server is
+    back: a claim past `claim_seconds` or a restart past `turn_seconds` is a peer stuck (or lying), and no
+    longer holds this host's turn. A peer not read for `claim_seconds` starts afresh."""
+
+    claim_seconds: float
+    turn_seconds: float
+    claiming: dict[str, tuple[float, float]] = field(default_factory=dict)  # name: (since, last seen)
+    restarting: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def judge(self, now: float, peers: list[Peer]) -> list[Peer]:
+        judged = []
+        for peer in peers:
+            if self._held(self.claiming, peer.name, now, peer.ready and peer.claim) > self.claim_seconds:
+                peer = replace(peer, claim=False)
+            stuck = self._held(self.restarting, peer.name, now, not peer.ready and peer.reason in RESTARTING)
+            if stuck > self.turn_seconds:
+                peer = replace(peer, reason=f"{peer.reason} for {stuck:.0f} s, over {self.turn_seconds:.0f} s: stuck")
+            judged.append(peer)
+        return judged
+
+    def _held(self, clocks: dict[str, tuple[float, float]], name: str, now: float, holds: bool) -> float:
+        """Seconds `name` has held the state without a break (0 when it does not now)."""
+        if not holds:
+            clocks.pop(name, None)
+            return 0.0
+        since, seen = clocks.get(name, (now, now))
+        if now - seen > self.claim_seconds:
+            since = now
+        clocks[name] = (since, now)
+        return now - since

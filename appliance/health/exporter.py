@@ -7,20 +7,20 @@ the metric's unit in brackets: "(bytes)", "(seconds)", "(tokens per second)", "(
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import RestrictedRegistry
 
+from appliance.health import fleet_proof
 from appliance.health.eviction import OUTCOMES as EVICTION_OUTCOMES
+from appliance.health.serving import BoundedServer, BoundedServer6, QuietHandler
 from appliance.plan.router import NOT_READY
 from appliance.spec.address import is_ipv6
 from appliance.system import metric_names as metric
@@ -254,6 +254,8 @@ class Metrics:
 READY_SECONDS = "X-Llm-Appliance-Ready-Seconds"
 CLAIM = "X-Llm-Appliance-Restart-Claim"
 WANTS = "X-Llm-Appliance-Restart-Wanted"
+# What a fleet host's proof covers (health/fleet_proof.py), beside the reader's challenge and the status.
+SIGNED = (fleet_proof.HOST, READY_SECONDS, CLAIM, WANTS)
 
 
 class Readiness:
@@ -271,6 +273,8 @@ class Readiness:
         self._since = clock()
         self._claim = False
         self._wants: str | None = None
+        self._key: bytes | None = None
+        self._host = ""
         self._changed = threading.Condition(self._lock)
         self._publish()
 
@@ -292,6 +296,23 @@ class Readiness:
         reason)."""
         with self._lock:
             self._saturated, self._retry_after = saturated, dict(retry_after)
+
+    def prove_with(self, key: bytes, host: str) -> None:
+        """Answer a peer's challenge ([fleet] key_file) as `host`."""
+        with self._lock:
+            self._key, self._host = key, host
+
+    def proven(self, challenge: str, status: int, body: bytes, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The headers that prove this answer to the peer that sent `challenge`; none without a key."""
+        with self._lock:
+            key, host = self._key, self._host
+        if key is None or not fleet_proof.well_formed(challenge):
+            return []
+        signed = dict(headers) | {fleet_proof.HOST: host}
+        return [
+            (fleet_proof.HOST, host),
+            (fleet_proof.PROOF, fleet_proof.proof(key, challenge, status, body, signed, SIGNED)),
+        ]
 
     @property
     def reason(self) -> str | None:
@@ -330,19 +351,6 @@ class ExporterUnavailable(Exception):
     """The metrics port cannot be opened; the message names the port and the spec field."""
 
 
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a slow scraper never holds the daemon's exit
-
-
-class _ThreadingServer6(_ThreadingServer):
-    address_family = socket.AF_INET6
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # every scrape and check is no news
-        pass
-
-
 def app(metrics: Metrics, readiness: Readiness) -> Callable[..., Iterable[bytes]]:
     """/ready for balancers; everything else is the Prometheus exposition, as before."""
     exposition = make_wsgi_app(metrics.exposed)
@@ -357,7 +365,10 @@ def app(metrics: Metrics, readiness: Readiness) -> Callable[..., Iterable[bytes]
         headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
         if retry_after is not None:
             headers.append(("Retry-After", str(retry_after)))
-        start_response(status, headers + readiness.headers())
+        fleet = readiness.headers()
+        challenge = str(environ.get("HTTP_" + fleet_proof.CHALLENGE.upper().replace("-", "_"), ""))
+        fleet += readiness.proven(challenge, 200 if reason is None else 503, body, fleet)
+        start_response(status, headers + fleet)
         return [body]
 
     return route
@@ -366,12 +377,10 @@ def app(metrics: Metrics, readiness: Readiness) -> Callable[..., Iterable[bytes]
 def serve(metrics: Metrics, host: str, port: int, readiness: Readiness | None = None) -> WSGIServer:
     """The exporter in a thread of its own: /metrics (and every other path) and /ready. Port 0 picks a free one."""
     # wsgiref's server is IPv4 unless told: an exporter on ::1 or an IPv6 address needs AF_INET6.
-    family = (
-        type("Server", (_ThreadingServer,), {"address_family": socket.AF_INET6}) if is_ipv6(host) else _ThreadingServer
-    )
+    family = BoundedServer6 if is_ipv6(host) else BoundedServer
     try:
         server: WSGIServer = make_server(
-            host, port, app(metrics, readiness or Readiness(metrics)), family, handler_class=_QuietHandler
+            host, port, app(metrics, readiness or Readiness(metrics)), family, handler_class=QuietHandler
         )
     except OSError as exc:
         raise ExporterUnavailable(

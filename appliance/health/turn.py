@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from appliance.health.detectors import RestartPolicy
-from appliance.health.drain import Drain, restart_turn
+from appliance.health.drain import Drain, PeerClocks, restart_turn
 from appliance.health.eviction import Evictor, NotInCluster
 from appliance.health.exporter import Metrics, Readiness
 from appliance.health.peers import Peer
@@ -41,6 +41,10 @@ class Action:
     kind: str
     reason: str | None = None
     detail: str = ""
+
+
+# A restart's loading and warm-up, beyond the drain and idle_timeout: past them a peer restarting is stuck.
+LOAD_ALLOWANCE_SECONDS = 1800
 
 
 # Restart reasons under which the server answers, slower than it should, until the restart cures it.
@@ -84,6 +88,11 @@ class RestartTurn:
         self.drained = False
         self.policy = RestartPolicy(restart.cooldown_seconds, restart.max_per_hour)
         self.drain = Drain(fleet.drain_seconds if fleet else 0, restart.idle_timeout_seconds)
+        # A claim lasts a check (the next one drains); three of them, and a restart its drain and a load.
+        self.clocks = PeerClocks(
+            claim_seconds=3 * spec.health.interval_seconds + 30,
+            turn_seconds=self.drain.drain_seconds + restart.idle_timeout_seconds + LOAD_ALLOWANCE_SECONDS,
+        )
         self.draining = False
         # A restart taking its turn in the fleet (claimed, or waiting for one): the daemon polls meanwhile.
         self.in_turn = False
@@ -150,7 +159,7 @@ class RestartTurn:
             return self._evict(reason, detail, now, read_peers)
         if not fleet.peers:
             return self._drain(reason, detail, now, seen.busy)
-        peers = read_peers(fleet.peers)
+        peers = self.clocks.judge(now, read_peers(fleet.peers))
         self.metrics.peers_ready.set(sum(1 for p in peers if p.ready))
         if reason == "decay" and self._fleet_decays(peers):
             return Action("held", reason)

@@ -80,6 +80,10 @@ def opened_files(spec: Spec, binary: str, key_files: bool = True) -> list[_Opene
                 move_to=paths.ETC,
             )
         )
+    if spec.fleet is not None and spec.fleet.key_file is not None:
+        found.append(
+            _Opened("fleet.key_file", spec.fleet.key_file, ("health",), checked_elsewhere=True, move_to=paths.ETC)
+        )
     found.append(
         _Opened("health.baseline_file", spec.health.baseline_file, ("health",), optional=True, move_to=paths.STATE)
     )

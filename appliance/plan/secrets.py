@@ -22,6 +22,7 @@ SCRAPE_KEY = "prometheus.scrape_key_file"
 USER = paths.SERVICE_USER
 PROMETHEUS_USER = "prometheus"  # as Debian's prometheus package creates it
 UPSTREAM_KEY = "fallback.api_key_file"
+FLEET_KEY = "fleet.key_file"
 ROUTER_USER = paths.ROUTER_USER
 
 
@@ -50,7 +51,33 @@ def key_problems(spec: Spec) -> list[Problem]:
     sent = scrape or api
     if sent is not None and sent.is_file():
         found += _prometheus_reads(SCRAPE_KEY if scrape else API_KEY, sent)
-    return found
+    return found + _fleet_key(spec)
+
+
+def _fleet_key(spec: Spec) -> list[Problem]:
+    """The fleet's shared key: read by the health daemon as the service user, and by nobody else."""
+    fleet = spec.fleet
+    if fleet is None or fleet.key_file is None:
+        if fleet is not None and fleet.peers:  # turns = "eviction" (peers without key_file is refused otherwise)
+            return [
+                warning(
+                    FLEET_KEY,
+                    "the peers' /ready (read for the fleet-wide decay hold) is not authenticated: any pod that "
+                    "answers at a peer's address could hold every restart for decay",
+                    "set fleet.key_file to the fleet's key, the same file in every pod",
+                )
+            ]
+        return []
+    path = fleet.key_file
+    create = f"install -m 0640 -o root -g {USER} /dev/null {path} && openssl rand -hex 32 > {path}"
+    found: list[Problem] = []
+    text = _read(FLEET_KEY, path, create + " (the same file on every host)", found)
+    if text is None:
+        return found
+    token = bearer_token(text)
+    if len(token) < 16 or "\n" in token or "\r" in token:
+        found.append(error(FLEET_KEY, f"{path} must hold one key of 16 characters or more, on one line", create))
+    return found + _service_user_reads(path, FLEET_KEY, "The health daemon")
 
 
 def _read(field: str, path: Path, create: str, found: list[Problem]) -> str | None:
@@ -88,13 +115,13 @@ def _api_key_content(path: Path, keys: list[str]) -> list[Problem]:
     return []
 
 
-def _service_user_reads(path: Path) -> list[Problem]:
+def _service_user_reads(path: Path, field: str = API_KEY, reader: str = "The server") -> list[Problem]:
     """root:llm-appliance, 0640 or 0440: the server reads it, no other user does, and it cannot rewrite it."""
     who = account()
     if who is None:
         return [
             warning(
-                API_KEY,
+                field,
                 f"cannot check that {USER} can read {path}: the user does not exist on this machine yet",
                 f"install.sh creates it; then: chown root:{USER} {path} && chmod 0640 {path}",
             )
@@ -115,8 +142,8 @@ def _service_user_reads(path: Path) -> list[Problem]:
     if wrong:
         return [
             error(
-                API_KEY,
-                f"{path}: {'; '.join(wrong)}. The server reads it as {USER}: it must be root:{who.group_name}, "
+                field,
+                f"{path}: {'; '.join(wrong)}. {reader} reads it as {USER}: it must be root:{who.group_name}, "
                 "mode 0640 or 0440",
                 f"chown root:{who.group_name} {path} && chmod 0640 {path} "
                 f"(a new one: install -m 0640 -o root -g {who.group_name} /dev/null {path})",
@@ -130,7 +157,7 @@ def _service_user_reads(path: Path) -> list[Problem]:
         through = " && ".join(f"chmod {owner}+x {directory}" for directory, owner in closed)
         return [
             error(
-                API_KEY,
+                field,
                 f"{USER} cannot read {path}: {unreachable}",
                 (f"let it through: {through} (search only: it still cannot list them); or " if through else "")
                 + f"keep the key file in a directory {USER} may enter, e.g. {paths.ETC}",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -89,7 +90,8 @@ class Launcher:
         self.start_limit = start_limit
         self.notifier = notifier or Notifier()
         self.stop_timeout = stop_timeout
-        self.api = ServerApi(plan.base_url, read_api_key(plan.api_key_file), timeout=5.0)
+        # llama-server is this launcher's child, its user: the key goes to no other user's listener on its port.
+        self.api = ServerApi(plan.base_url, read_api_key(plan.api_key_file), timeout=5.0, listener_uid=os.geteuid())
         self.tail: deque[str] = deque(maxlen=200)
         self.stop_requested = threading.Event()
         self.restart_requested = threading.Event()

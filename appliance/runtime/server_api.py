@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.facts.keys import read_keys
+from appliance.facts.listeners import listening_uids
 
 
 class ServerUnreachable(Exception):
@@ -56,17 +57,35 @@ class Streamed:
         return self.status == 200 and self.finished and not self.error
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 @dataclass(frozen=True)
 class ServerApi:
     base_url: str
     api_key: str | None = None
     timeout: float = 5.0
+    # Who must own the server's listening socket before the key is sent to a local port (the launcher and the
+    # daemon run as the server's user): another user's listener on a port left free by a restart gets nothing.
+    listener_uid: int | None = None
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
+            self._check_listener()
             headers["Authorization"] = f"Bearer {self.api_key}"
         return headers
+
+    def _check_listener(self) -> None:
+        url = urllib.parse.urlsplit(self.base_url)
+        if self.listener_uid is None or url.hostname not in LOOPBACK or url.port is None:
+            return
+        strangers = listening_uids(url.port) - {self.listener_uid}
+        if strangers:
+            raise ServerUnreachable(
+                f"{self.base_url}: port {url.port} is held by uid {', '.join(map(str, sorted(strangers)))}, not "
+                f"the server's uid {self.listener_uid}; the API key was not sent"
+            )
 
     def _request(
         self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None
@@ -145,6 +164,10 @@ class ServerApi:
             try:
                 # One request per connection: a kept-alive one would leave the end of a stream to the timeout.
                 headers = {**self._headers(), "Connection": "close"}
+            except ServerUnreachable as exc:
+                answer.error = f"no request: {exc}"
+                return answer
+            try:
                 connection.request("POST", target, json.dumps({**body, "stream": True}), headers)
                 response = connection.getresponse()
             except (OSError, http.client.HTTPException) as exc:

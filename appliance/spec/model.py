@@ -331,6 +331,9 @@ class FleetMember(Strict):
     # the PodDisruptionBudget answers 429 while the restart would leave too few ready). Written by `fleet render`
     # and `k8s render`.
     turns: Literal["peers", "eviction"] = "peers"
+    # The fleet's shared key (one line; root:llm-appliance, 0640, the same file on every host): each /ready
+    # answer proves itself under it, so no other host can answer for a peer. Required with peers taking turns.
+    key_file: FilePath | None = None
 
     @field_validator("peers")
     @classmethod
@@ -349,6 +352,13 @@ class FleetMember(Strict):
             )
         if self.host in self.peers:
             raise ValueError(f"{self.host!r} is this host, not a peer; render the fleet again")
+        if self.peers and self.turns == "peers" and self.key_file is None:
+            raise ValueError(
+                "peers without key_file: any host that answers at a peer's address could block every restart or "
+                "fake a peer's readiness; create one key for the fleet (install -m 0640 -o root -g llm-appliance "
+                "/dev/null FILE && openssl rand -hex 32 > FILE), install the same file on every host, and set "
+                "key_file = FILE (in a fleet file: [fleet] key_file)"
+            )
         return self
 
 
