@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from appliance.facts.gguf import GGUFError, ModelInfo, Tensor, read_model
-from appliance.plan.budget import budgets, gpu_weight_bytes, kv_cells
+from appliance.plan.budget import budgets, gpu_weight_bytes
 from appliance.plan.memory import ContextParams, context_memory
 from appliance.spec.model import Spec
 
@@ -235,13 +235,6 @@ def test_kv_bytes_explicit_head_lengths_and_per_layer_heads() -> None:
     assert kv_bytes_per_token(info, "f16", "f16") == sum(per_layer)
     # The last N layers are the offloaded ones.
     assert kv_bytes_per_token(info, "f16", "f16", layers=2) == per_layer[2] + per_layer[3]
-
-
-@pytest.mark.parametrize(
-    ("ctx", "cells"), [(1, 256), (255, 256), (256, 256), (257, 512), (4096, 4096), (4097, 4352), (32768, 32768)]
-)
-def test_kv_cells_pad_to_256(ctx: int, cells: int) -> None:
-    assert kv_cells(ctx) == cells
 
 
 # --- weights on the GPU, by offloaded layer count ----------------------------------------------------------

@@ -68,7 +68,7 @@ def retry_after(spec: Spec) -> dict[str, int]:
     """Retry-After of /ready's 503, by reason: about when asking again can find the host ready. A slot frees
     within seconds; a drain lasts its drain and the requests in flight; the rest resolve at a later check."""
     drain = (spec.fleet.drain_seconds if spec.fleet else 0) + spec.restart.idle_timeout_seconds
-    seconds = dict.fromkeys(NOT_READY, max(1, spec.health.interval_seconds))
+    seconds: dict[str, int] = dict.fromkeys(NOT_READY, max(1, spec.health.interval_seconds))
     seconds.update(saturated=1, draining=max(1, drain))
     return seconds
 

@@ -10,8 +10,12 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 CANARY_BUCKET = "canary"
+
+# What the restart policy says of a wanted restart.
+PolicyAction = Literal["restart", "cooldown", "exhausted", "none"]
 
 
 def context_bucket(context_tokens: int | None) -> str:
@@ -196,7 +200,7 @@ class PayingTracker:
 
 @dataclass(frozen=True)
 class RestartDecision:
-    action: str  # "restart", "cooldown", "exhausted", "none"
+    action: PolicyAction
     reason: str
     detail: str = ""
 

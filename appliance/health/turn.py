@@ -16,6 +16,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from appliance.health.detectors import RestartPolicy
 from appliance.health.drain import Drain, PeerClocks, restart_turn
@@ -24,11 +25,16 @@ from appliance.health.exporter import Metrics, Readiness
 from appliance.health.peers import Peer
 from appliance.health.requests import DrainRequests, RestartRequest, RestartRequests
 from appliance.health.watch import Observation
+from appliance.plan.router import ReadyReason
 from appliance.spec.model import Spec
 
 log = logging.getLogger("llm-appliance.health")
 # The actions after which a restart is still to come (restart_pending).
 PENDING = ("claim", "drain", "wait", "cooldown")
+
+
+# What a check does about a wanted restart (Action below says what each means).
+ActionKind = Literal["none", "cooldown", "exhausted", "wait", "claim", "drain", "held", "restart", "evicted", "drained"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,7 @@ class Action:
     "evicted" (the cluster restarts the pod: the restart is counted, not carried out); "drained" (drained for
     good)."""
 
-    kind: str
+    kind: ActionKind
     reason: str | None = None
     detail: str = ""
 
@@ -51,7 +57,7 @@ LOAD_ALLOWANCE_SECONDS = 1800
 DEGRADED = ("decay", "not_on_gpu")
 
 
-def ready_reason(seen: Observation, warm: bool, draining: bool, action: str, alone: bool = True) -> str | None:
+def ready_reason(seen: Observation, warm: bool, draining: bool, action: str, alone: bool = True) -> ReadyReason | None:
     """What /ready says after a check (whose restart turn did `action`): None (ready) or why not. `alone`: no
     fleet peers; a fleet host serves on, slow, until its turn, since its peers count it toward min_ready."""
     if action == "restart":

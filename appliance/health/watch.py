@@ -45,7 +45,7 @@ class Observation:
     creep: float | None = None
     contended: str | None = None  # what else used the machine, when it was enough to discount this check's samples
     reason: str | None = None
-    action: str = "none"
+    action: str = "none"  # the turn's ActionKind (health/turn.py)
     notes: list[str] = field(default_factory=list)
 
     def status(self) -> str:

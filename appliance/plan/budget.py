@@ -59,10 +59,6 @@ def gpu_weight_bytes(info: ModelInfo, layers_on_gpu: int) -> int:
     return total
 
 
-def kv_cells(ctx_size: int) -> int:
-    return -(-ctx_size // KV_CELL_PAD) * KV_CELL_PAD
-
-
 @dataclass
 class _Usage:
     lines: dict[str, list[BudgetLine]] = field(default_factory=dict)

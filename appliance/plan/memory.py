@@ -77,11 +77,6 @@ class ContextParams:
         return n_ctx if self.unified else pad(n_ctx // self.parallel, CELL_PAD)
 
     @property
-    def ctx_step(self) -> int:
-        """The ctx_size granularity that wastes nothing: a whole padded stream per slot."""
-        return CELL_PAD if self.unified else CELL_PAD * self.parallel
-
-    @property
     def streams(self) -> int:
         return 1 if self.unified else self.parallel
 
@@ -165,14 +160,6 @@ class Cache:
 def _int(info: ModelInfo, key: str, default: int = 0) -> int:
     value = info.arch_value(key, default)
     return int(value[0]) if isinstance(value, list) else int(value)
-
-
-def _per_layer(info: ModelInfo, key: str, default: list[int]) -> list[int]:
-    """llama_model_loader::get_key_or_arr: an array is per layer, a scalar is every layer's."""
-    value = info.arch_value(key)
-    if value is None:
-        return default
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)] * len(default)
 
 
 def _layer_count(info: ModelInfo) -> int:

@@ -11,7 +11,7 @@ import urllib.parse
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
@@ -24,8 +24,9 @@ from appliance.spec.model import Spec
 # completion, "degraded" serving slower than it should until the restart it waits for (decay latched, on the CPU
 # where the spec says GPU), "saturated" every slot busy and requests queued. A fleet's balancer says "down" (no
 # host ready) and "saturated" (requests queued for a slot) on its own /ready.
-NOT_SERVING = ("loading", "warming", "down", "draining", "restarting", "degraded")
-NOT_READY = (*NOT_SERVING, "saturated")
+ReadyReason = Literal["loading", "warming", "down", "draining", "restarting", "degraded", "saturated"]
+NOT_SERVING: tuple[ReadyReason, ...] = ("loading", "warming", "down", "draining", "restarting", "degraded")
+NOT_READY: tuple[ReadyReason, ...] = (*NOT_SERVING, "saturated")
 # The reasons that send a request to the upstream, by `fallback.when`.
 FALLBACK_REASONS = {"down": NOT_SERVING, "busy": ("saturated",), "both": NOT_READY}
 ROUTER_FILE = "router.json"  # beside the router's config.yaml
