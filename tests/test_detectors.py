@@ -319,26 +319,32 @@ def test_after_restart_resets_the_creep_baseline() -> None:
 
 
 def test_no_speculation_configured_no_verdict() -> None:
-    verdict = speculation(False, Window(100, 1, 0, 0), 0.4)
+    verdict = speculation(False, False, Window(100, 1, 0, 0), 0.4)
     assert (verdict.engaged, verdict.acceptance, verdict.low) == (None, None, False)
 
 
 def test_nothing_generated_no_verdict() -> None:
-    verdict = speculation(True, Window(0, 0, 0, 0), 0.4)
+    verdict = speculation(True, True, Window(0, 0, 0, 0), 0.4)
     assert verdict.engaged is None
 
 
 def test_tokens_without_drafts_is_not_engaged() -> None:
-    verdict = speculation(True, Window(100, 1, 0, 0), 0.4)
+    verdict = speculation(True, True, Window(100, 1, 0, 0), 0.4)
     assert (verdict.engaged, verdict.acceptance, verdict.low) == (False, None, False)
 
 
+def test_ngram_speculation_without_drafts_yet_is_no_verdict() -> None:
+    # The installed ngram-mod demo: text that repeats nothing drafts nothing, and that is not "not engaged".
+    assert speculation(True, False, Window(100, 1, 0, 0), 0.4).engaged is None
+    assert speculation(True, False, Window(100, 1, 128, 49), 0.4).engaged is True
+
+
 def test_low_acceptance_is_flagged() -> None:
-    assert speculation(True, Window(100, 1, 100, 30), 0.4) == speculation(True, Window(100, 1, 10, 3), 0.4)
-    verdict = speculation(True, Window(100, 1, 100, 30), 0.4)
+    assert speculation(True, True, Window(100, 1, 100, 30), 0.4) == speculation(True, True, Window(100, 1, 10, 3), 0.4)
+    verdict = speculation(True, True, Window(100, 1, 100, 30), 0.4)
     assert (verdict.engaged, verdict.acceptance, verdict.low) == (True, 0.3, True)
-    assert not speculation(True, Window(100, 1, 100, 71), 0.4).low
-    assert not speculation(True, Window(100, 1, 100, 40), 0.4).low  # at the minimum is fine
+    assert not speculation(True, True, Window(100, 1, 100, 71), 0.4).low
+    assert not speculation(True, True, Window(100, 1, 100, 40), 0.4).low  # at the minimum is fine
 
 
 # -- RestartPolicy --

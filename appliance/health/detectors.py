@@ -163,11 +163,16 @@ class SpeculationVerdict:
     low: bool
 
 
-def speculation(speculation_configured: bool, w: Window, acceptance_min: float) -> SpeculationVerdict:
+def speculation(
+    speculation_configured: bool, draft_in_use: bool, w: Window, acceptance_min: float
+) -> SpeculationVerdict:
+    """Whether configured speculation drafts, judged here once (the launcher's start check and the alert agree):
+    a draft model that generated tokens and drafted none is not engaged; n-gram types draft only once the
+    output repeats earlier text, so a window without drafts is no verdict on them."""
     if not speculation_configured or w.tokens <= 0:
         return SpeculationVerdict(None, None, False)
     if w.drafted <= 0:
-        return SpeculationVerdict(False, None, False)
+        return SpeculationVerdict(False if draft_in_use else None, None, False)
     acceptance = w.acceptance
     return SpeculationVerdict(True, acceptance, acceptance is not None and acceptance < acceptance_min)
 

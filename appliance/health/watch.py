@@ -162,7 +162,9 @@ class Watch:
                 self._record_rate(context_bucket(reading.context_tokens), w.decode_tps, seen)
             self.metrics.drafted.inc(max(w.drafted, 0))
             self.metrics.accepted.inc(max(w.accepted, 0))
-            verdict = speculation(self.appliance.speculation, w, self.appliance.spec.health.acceptance_min)
+            verdict = speculation(
+                self.appliance.speculation, self.appliance.draft_in_use, w, self.appliance.spec.health.acceptance_min
+            )
             if verdict.engaged is not None:
                 self.metrics.speculation_engaged.set(1 if verdict.engaged else 0)
                 if not verdict.engaged:
