@@ -8,7 +8,8 @@ real llama-server (named fakes; the crash is the only thing faked).
   (llama_decode called twice: the prompt, then a token), and dying by the same signal itself.
 - `real()`: the real llama-server behind a wrapper (a rebuild that works).
 
-Each writes the uid it ran as to `<wrapper>.uid`: the proof runs as the service user, never as root.
+Each writes the uid and nice value it ran at to `<wrapper>.uid`: the proof runs as the service user, never as
+root, at the server's priority.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ args = sys.argv[1:]
 # on every CPU, so the only crash is the one faked.
 real_args = args if "--no-repack" in args else [*args, "--no-repack"]
 with open(__file__ + ".uid", "w") as seen:
-    seen.write(str(os.getuid()))
+    seen.write(f"{{os.getuid()}} {{os.nice(0)}}")
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a fake crash leaves no core file behind
 
 
@@ -116,4 +117,9 @@ def slow(path: Path, real: Path) -> Path:
 
 def ran_as(wrapper: Path) -> int:
     """The uid the wrapper last ran as."""
-    return int(Path(f"{wrapper}.uid").read_text())
+    return int(Path(f"{wrapper}.uid").read_text().split()[0])
+
+
+def ran_at(wrapper: Path) -> int:
+    """The nice value the wrapper last ran at."""
+    return int(Path(f"{wrapper}.uid").read_text().split()[1])

@@ -30,6 +30,7 @@ from appliance.ops import engine_proof
 from appliance.ops.engine_build import PINNED
 from appliance.ops.engine_ladder import SWITCH_MARGIN, ensure_proven, fastest
 from appliance.ops.engine_proof import EngineUnproven
+from appliance.plan.priority import PRIORITIES
 from appliance.plan.validate import validate
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 from appliance.runtime.server_death import LAST_EXIT
@@ -138,6 +139,9 @@ def test_a_crash_while_loading_is_named_and_the_ladder_keeps_no_repack(
     # Whom it ran as: the service user, never root.
     who = account()
     assert who is not None and fake_engines.ran_as(binary) == who.uid
+    assert (
+        fake_engines.ran_at(binary) == PRIORITIES["high"].nice
+    )  # the demo's server.priority: its figures are the server's
     # Written where it is read, and it holds until the engine changes.
     written = EngineRecord.read(engine_dir / RECORD)
     assert written == record

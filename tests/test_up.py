@@ -306,3 +306,22 @@ def test_up_from_a_virtualenv_the_service_user_cannot_read_refuses_before_droppi
     assert "run `up` from a virtualenv of /usr/bin/python3" in refusals[0]
     assert "Traceback" not in shown.stderr
     assert not state.exists()  # refused before anything was made or started
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize(("priority", "nice"), [("high", -10), ("low", 10)])
+def test_up_runs_llama_server_at_the_spec_s_priority(
+    example: Callable[..., Path], tmp_path: Path, priority: str, nice: int
+) -> None:
+    """server.priority reaches llama-server under `up` as the unit's Nice= would (plan/priority.py)."""
+    spec = demo(example)
+    spec.write_text(spec.read_text().replace("[server]\n", f'[server]\npriority = "{priority}"\n', 1))
+    process, output = start_up(spec, "--state-dir", tmp_path / "state", "--stop-timeout", "5", "--as-current-user")
+    try:
+        wait_ready(process, output, 1)
+        (server,) = server_pids(output)
+        # /proc/PID/stat: the 19th field is the nice value (after the name, which may hold spaces).
+        assert int(Path(f"/proc/{server}/stat").read_text().rpartition(")")[2].split()[16]) == nice
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)

@@ -27,6 +27,7 @@ from appliance.health.requests import DrainRequests, Reason, RestartRequests
 from appliance.health.router_beside_up import RouterBesideUp
 from appliance.health.state import RestartLog
 from appliance.health.units import SystemdUnit, UnitError
+from appliance.plan.priority import PRIORITIES
 from appliance.plan.resolved import Appliance
 from appliance.plan.start_limit import SERVER_START_LIMIT
 from appliance.runtime.launch import Launcher, LaunchPlan
@@ -205,6 +206,7 @@ def up(appliance: Appliance, spec: Path, stop_timeout: float, as_current_user: b
     # that stays root to end it.
     router = RouterBesideUp.start(appliance, as_current_user)
     try:
+        keep_priority(PRIORITIES[appliance.spec.server.priority].nice)  # as the unit's Nice=; llama-server inherits it
         if who is not None:
             ruleset = prepare(appliance, who)
             # A port below 1024 (the server's or the exporter's): the one capability, as the units grant it.
@@ -216,6 +218,14 @@ def up(appliance: Appliance, spec: Path, stop_timeout: float, as_current_user: b
     finally:
         if router is not None:
             router.stop()
+
+
+def keep_priority(nice: int) -> None:
+    """The server's nice value, set while root may still lower it (server.priority; plan/priority.py)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except PermissionError:
+        log.warning("cannot set nice %d as uid %d: llama-server runs at nice %d", nice, os.geteuid(), os.nice(0))
 
 
 def _serve_up(appliance: Appliance, spec: Path, stop_timeout: float) -> int:

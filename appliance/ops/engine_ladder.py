@@ -41,6 +41,7 @@ from appliance.ops.engine_proof import (
     proof_user,
     run_proof,
 )
+from appliance.plan.priority import PRIORITIES
 from appliance.plan.resolved import Appliance
 from appliance.plan.validate import Validated, validate, validate_loaded
 from appliance.render.apply import Change, changes, write
@@ -107,7 +108,8 @@ def climb(
             port = free_port()
             proof = proof_plan(validated, port, key_file)
             argv = [str(rung_binary), *proof[1:], *RUNG_ARGS.get(rung, ())]
-            trial = run_proof(argv, who, key, port, sets, cpu, rung, load_timeout)
+            nice = PRIORITIES[validated.plan.spec.server.priority].nice
+            trial = run_proof(argv, who, key, port, sets, cpu, rung, load_timeout, nice)
         say(trial.summary())
         trials.append(trial)
         if trial.passed:

@@ -81,22 +81,24 @@ def run_proof(
     cpu: Cpu,
     rung: Rung,
     load_timeout: float = LOAD_TIMEOUT,
+    nice: int = 0,
 ) -> Trial:
     """One rung's proof: start, wait for /health, one greedy chat completion, stop. Never raises for the
     engine's own failure: that is the Trial's."""
     tail: deque[str] = deque(maxlen=400)
-    process = spawn(
-        argv,
-        stdin=DEVNULL,
-        stdout=PIPE,
-        stderr=STDOUT,
-        errors="replace",
-        bufsize=1,
-        preexec_fn=die_with_parent,
-        user=who.uid if who else None,
-        group=who.gid if who else None,
-        extra_groups=list(who.groups) if who else None,
-    )
+    with niced(nice):  # the server's own priority: its figures are what it will serve at
+        process = spawn(
+            argv,
+            stdin=DEVNULL,
+            stdout=PIPE,
+            stderr=STDOUT,
+            errors="replace",
+            bufsize=1,
+            preexec_fn=die_with_parent,
+            user=who.uid if who else None,
+            group=who.gid if who else None,
+            extra_groups=list(who.groups) if who else None,
+        )
     reader = threading.Thread(
         target=lambda: tail.extend(line.rstrip("\n") for line in process.stdout or ()), daemon=True
     )
@@ -120,6 +122,23 @@ def run_proof(
         return replace(_judged(rung, answers), contended=round(shared.share, 3) if shared else 0.0)
     finally:
         stop(process, timeout=30)
+
+
+@contextlib.contextmanager
+def niced(nice: int) -> Iterator[None]:
+    """This thread at `nice` while it starts a child, which inherits it; as it was afterwards. A nice value is a
+    thread's on Linux, and the child drops to the service user before a preexec could lower it."""
+    thread = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, thread)
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, nice)
+    except PermissionError:  # not root: it runs at this process's own
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.setpriority(os.PRIO_PROCESS, thread, before)
 
 
 def _judged(rung: Rung, answers: list[dict[str, Any]]) -> Trial:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from appliance import __version__
 from appliance.plan.endpoint import Endpoint
+from appliance.plan.priority import PRIORITIES, Priority
 from appliance.plan.resolved import SNAPSHOT, Appliance
 from appliance.plan.start_limit import SERVER_START_LIMIT, StartLimit
 from appliance.render.dashboard import dashboard_json
@@ -46,6 +47,8 @@ class View:
     health_binds: tuple[str, ...]
     restart_binds: tuple[str, ...]
     memory_high_mib: int | None  # MemoryHigh= of the server unit: the host budget's usable RAM
+    priority: Priority  # Nice=, CPUWeight=, IOWeight= of the server unit (server.priority)
+    priority_name: str
     allow_v4: str  # nftables set elements, comma-separated
     allow_v6: str
     server_allow: tuple[str, ...]  # IPAddressAllow= of the server unit, besides localhost
@@ -111,6 +114,8 @@ def view(appliance: Appliance) -> View:
         health_binds=tuple(f'"{path}"' for path in appliance.health_binds),
         restart_binds=tuple(f'"{path}"' for path in appliance.restart_binds),
         memory_high_mib=appliance.memory_high_mib,
+        priority=PRIORITIES[spec.server.priority],
+        priority_name=spec.server.priority,
         allow_v4=", ".join(appliance.allow_v4),
         allow_v6=", ".join(appliance.allow_v6),
         server_allow=appliance.server_ip_allow,

@@ -80,6 +80,9 @@ class Server(Strict):
     # llama-server's own log threshold. "warning": the journal keeps its warnings and errors, not the ~8 info
     # lines it writes per request (timings, slot selection); "info" brings those back when debugging.
     log_level: LogLevel = "warning"
+    # How much of the machine the server keeps beside a busy neighbour (plan/priority.py): "high" (Nice=-10,
+    # CPUWeight=1000), "normal", or "low" for a box where the model is the background job.
+    priority: Literal["high", "normal", "low"] = "high"
     # More llama-server flags, each checked (plan/extra_args.py): one that opens the server to its clients or
     # the network is refused; one whose meaning llm-appliance does not know passes only when listed in
     # extra_args_unchecked, the spec author's word that it is harmless.
