@@ -20,6 +20,7 @@ from appliance.ops import models
 from appliance.plan.budget import GIB, lines
 from appliance.plan.explain import plan_json, speculation_lines
 from appliance.plan.fit import fit_lines, largest_fits
+from appliance.plan.priority import PRIORITIES
 from appliance.plan.resolved import SNAPSHOT, Appliance, SnapshotError, changed_fields, resolve
 from appliance.plan.validate import Validated, validate
 from appliance.render.apply import changes, installed_spec_path, reload_system, write
@@ -62,6 +63,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         )
     print(f"dialect: {result.facts.dialect.source}")
     print("\n".join(engine_lines(result.facts.engine, result.facts.engine_stale)))
+    print(priority_line(plan.spec))
     print(f"model name in the API (clients send it as `model`): {plan.alias}")
     print("\n".join(speculation_lines(plan)))
     print("\nllama-server argv:")
@@ -78,6 +80,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
     print("\nwarnings:")
     print(format_problems(result.warnings) if result.warnings else "  none")
     return EXIT_OK
+
+
+def priority_line(spec: Spec) -> str:
+    """What server.priority and server.threads make of the machine, and why (plan/priority.py)."""
+    chosen = PRIORITIES[spec.server.priority]
+    weights = f", CPUWeight={chosen.cpu_weight}, IOWeight={chosen.io_weight}" if chosen.cpu_weight else ""
+    threads = f"{spec.server.threads} threads" if spec.server.threads else "llama.cpp's threads (one per core)"
+    cores = os.cpu_count() or 1
+    why = {
+        "high": "a neighbour (a compile, a test run) gets what the server leaves: its threads spin at barriers, "
+        "so one preempted thread stalls them all",
+        "normal": "the server shares the CPUs evenly: beside a busy neighbour its decode can fall to a tenth",
+        "low": "the model is the background job: interactive work comes first",
+    }[spec.server.priority]
+    return f"priority: {spec.server.priority} (nice {chosen.nice}{weights}), {threads} on {cores} cores: {why}"
 
 
 def _pairs(argv: Sequence[str]) -> list[str]:
