@@ -474,14 +474,20 @@ def _refused(machine: Machine, spec: str, *words: str) -> str:
 
 
 def test_models_in_a_home_hugging_face_cache_are_bound_into_the_unit(machine: Machine) -> None:
-    """~/.cache/huggingface: a snapshot's file is a link to a blob, in a home of mode 0700, hidden by ProtectHome."""
+    """~/.cache/huggingface: a snapshot's file is a link to a blob, in a home hidden by ProtectHome. A home of
+    mode 0700 (Debian 12's default) is refused with its fix: `up` runs unsandboxed, as the service user, who
+    must reach the file itself; once the home lets it pass (o+x), the unit binds the file."""
     hub = f"/home/{ADMIN}/.cache/huggingface/hub/models--HuggingFaceTB--SmolLM2-135M-Instruct"
     model = f"{hub}/snapshots/0123abc/{SMOLLM2}"
     machine.run(
         f"mkdir -p {hub}/blobs {hub}/snapshots/0123abc && cp /var/lib/llm-appliance/models/{SMOLLM2} {hub}/blobs/9f86d08 "
         f"&& ln -sf ../../blobs/9f86d08 {model} && chown -R {ADMIN}: /home/{ADMIN}/.cache && chmod 0700 /home/{ADMIN}"
     )
-    _serve(machine, _spec(machine, "home", {f"/var/lib/llm-appliance/models/{SMOLLM2}": model}))
+    spec = _spec(machine, "home", {f"/var/lib/llm-appliance/models/{SMOLLM2}": model})
+    said = _refused(machine, spec, "models.target.path", "llm-appliance, the user the units run as, cannot read")
+    assert f"chmod o+x /home/{ADMIN}" in said, said
+    machine.run(f"chmod 0711 /home/{ADMIN}")
+    _serve(machine, spec)
     assert _status(machine) == "200"
     unit = machine.run("systemctl cat llm-appliance-server.service").stdout
     assert "ProtectHome=tmpfs" in unit and f'BindReadOnlyPaths="{model}"' in unit, unit

@@ -41,7 +41,8 @@ class BoundedServer(WSGIServer):
     request_queue_size = 128  # a burst of connections waits in the kernel, not refused at 5 (socketserver's)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        # Everything server_close needs exists before the bind: socketserver closes the server when its bind
+        # fails (a port in use), and that must end in the caller's clear error, not an AttributeError.
         self._lock = threading.Lock()
         self._arrived: list[_Reading] = []
         self._heads: dict[socket.socket, bytes] = {}
@@ -51,6 +52,7 @@ class BoundedServer(WSGIServer):
         self._wake_write.setblocking(False)
         self._workers = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="exporter")
         self._reader = threading.Thread(target=self._read_heads, daemon=True, name="exporter-heads")
+        super().__init__(*args, **kwargs)
         self._reader.start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -67,7 +69,10 @@ class BoundedServer(WSGIServer):
         super().server_close()
         self._closed = True
         self._wake()
-        self._reader.join(timeout=5)
+        if self._reader.is_alive():
+            self._reader.join(timeout=5)  # it closes its end of the wake-up pair
+        else:
+            self._wake_read.close()
         self._workers.shutdown(wait=False, cancel_futures=True)
         self._wake_write.close()
 
