@@ -98,7 +98,9 @@ def _spec_commands(command: Command) -> None:
         "show the llama-server argv, the memory budget per device, the largest context that fits and the warnings",
     )
     p.add_argument("spec", type=Path)
-    p.add_argument("--json", action="store_true", help="print the plan as JSON for scripts (README: explain --json)")
+    p.add_argument(
+        "--json", action="store_true", help="print the plan as JSON for scripts (docs/spec.md: explain --json)"
+    )
     p = command("render", cmd_render, "render every file of the appliance into a directory (or to stdout)")
     p.add_argument("spec", type=Path)
     p.add_argument("--out", type=Path, help="directory to write into; without it, print ---path--- and contents")
@@ -343,7 +345,7 @@ def _measure_options(p: argparse.ArgumentParser, reps: int) -> None:
         "--reps", type=int, default=reps, help="repetitions per workload; the median is kept (default %(default)s)"
     )
     p.add_argument("--tokens", type=int, help="cap every workload at this many generated tokens (a quick run)")
-    p.add_argument("--suite", type=Path, help="another prompt suite file (default: the shipped suite-v1)")
+    p.add_argument("--suite", type=Path, help="another prompt suite file (default: the shipped suite-v2)")
     p.add_argument(
         "--baseline", type=Path, help="write the health daemon's baseline here (default: health.baseline_file)"
     )

@@ -242,7 +242,7 @@ def _fix_for(kind: str, err: Any) -> str:
     if kind.endswith("_type") or kind.endswith("_parsing"):
         kind_name = kind.split("_")[0]
         return f"write {_TOML_KINDS.get(kind_name, f'a {kind_name}')}"
-    return "see the spec reference in README.md"
+    return "see the spec reference in docs/spec.md"
 
 
 def _known_keys(loc: list[str], root: type[BaseModel]) -> list[str]:
