@@ -55,7 +55,7 @@ from appliance.spec.load import KeyLines, LoadedSpec
 from appliance.spec.problems import Severity
 from appliance.system import paths
 from appliance.system.run import DEVNULL, PIPE, STDOUT, Popen, spawn
-from appliance.system.users import Account, account
+from appliance.system.users import Account, NoServiceUser, runs_as
 
 LOAD_TIMEOUT = 900.0  # a 27B model takes minutes to load from a cold disk
 ANSWER_TIMEOUT = 600.0
@@ -208,15 +208,10 @@ def free_port() -> int:
 def proof_user() -> Account | None:
     """Whom the proof runs as: the service user when root runs it (root runs nothing of the appliance's),
     else whoever runs it."""
-    if os.geteuid() != 0:
-        return None
-    who = account()
-    if who is None:
-        raise EngineUnproven(
-            f"the service user {paths.SERVICE_USER} does not exist, and root runs no llama-server itself: "
-            "install.sh creates it (`useradd --system llm-appliance` does too)"
-        )
-    return who
+    try:
+        return runs_as()
+    except NoServiceUser as exc:
+        raise EngineUnproven(str(exc)) from None
 
 
 Say = Callable[[str], None]
