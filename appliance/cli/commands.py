@@ -34,6 +34,7 @@ from appliance.spec.model import Spec
 from appliance.spec.problems import SpecInvalid, format_problems
 from appliance.system import paths
 from appliance.system.run import CommandFailed
+from appliance.system.users import NoServiceUser, runs_as
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_APPLY, EXIT_ENGINE = 0, 1, 2, 3, 4
 
@@ -213,8 +214,8 @@ def cmd_engine_info(args: argparse.Namespace) -> int:
     record = EngineRecord.read(record_file(binary, args.dest))
     print("\n".join(engine_lines(record, stale_reason(binary, record, manifest))))
     try:
-        dialect = read_binary_dialect(Path(manifest.binary))
-    except (OSError, CommandFailed) as exc:
+        dialect = read_binary_dialect(Path(manifest.binary), runs_as())
+    except (OSError, CommandFailed, NoServiceUser) as exc:
         print(f"cannot read the flag dialect of {manifest.binary}: {exc}", file=sys.stderr)
         return EXIT_ENGINE
     spec_flags = sorted(f for f in dialect.flags if f.startswith("--spec-") or f in ("-md", "--draft-max"))
