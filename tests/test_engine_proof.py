@@ -32,6 +32,7 @@ from appliance.ops.engine_proof import EngineUnproven, ensure_proven
 from appliance.plan.validate import validate
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 from appliance.runtime.server_death import LAST_EXIT
+from appliance.runtime.server_process import temporary_key
 from appliance.system import paths
 from appliance.system.users import account
 
@@ -348,7 +349,7 @@ def test_the_real_engine_is_proven_on_this_cpu(
     validated = validate(spec_of(native))
     trials = []
     for rung, flags in (("as-built", ()), ("no-repack", ("--no-repack",))):
-        with engine_proof.proof_key(engine_proof.proof_user()) as (key_file, key):
+        with temporary_key(engine_proof.proof_user()) as (key_file, key):
             port = engine_proof.free_port()
             argv = [*engine_proof.proof_plan(validated, port, key_file), *flags]
             sets = (

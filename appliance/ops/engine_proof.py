@@ -16,14 +16,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import secrets
-import shutil
-import socket
-import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,7 +46,7 @@ from appliance.render.apply import Change, changes, write
 from appliance.render.render import render
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 from appliance.runtime.server_death import describe_exit
-from appliance.runtime.server_process import die_with_parent, stop, wait_until_ready
+from appliance.runtime.server_process import die_with_parent, free_port, stop, temporary_key, wait_until_ready
 from appliance.spec.load import KeyLines, LoadedSpec
 from appliance.spec.problems import Severity
 from appliance.system import paths
@@ -182,29 +178,6 @@ def _failed(
     return Trial(rung, False, failure="llama-server " + describe_exit(code, list(tail), build_sets, cpu))
 
 
-@contextlib.contextmanager
-def proof_key(who: Account | None) -> Iterator[tuple[Path, str]]:
-    """A key of the proof's own, in a directory only the service user and root can enter, gone afterwards."""
-    directory = Path(tempfile.mkdtemp(prefix="llm-appliance-proof-"))
-    try:
-        key = secrets.token_urlsafe(32)
-        key_file = directory / "key"
-        key_file.write_text(key + "\n")
-        key_file.chmod(0o400)
-        if who is not None:
-            os.chown(directory, who.uid, who.gid)
-            os.chown(key_file, who.uid, who.gid)
-        yield key_file, key
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def proof_user() -> Account | None:
     """Whom the proof runs as: the service user when root runs it (root runs nothing of the appliance's),
     else whoever runs it."""
@@ -258,7 +231,7 @@ def climb(
             continue
         sets = tuple(manifest.instruction_sets) if manifest and rung_binary == binary else _built_sets(rung_binary)
         say(f"proving {RUNG_MEANING[rung]} ({rung_binary})")
-        with proof_key(who) as (key_file, key):
+        with temporary_key(who) as (key_file, key):
             port = free_port()
             proof = proof_plan(validated, port, key_file)
             argv = [str(rung_binary), *proof[1:], *RUNG_ARGS.get(rung, ())]
