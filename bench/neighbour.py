@@ -16,12 +16,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from appliance.ops.engine_proof import free_port, niced
+from appliance.ops.engine_proof import niced
 from appliance.plan.plan import plan
 from appliance.plan.priority import PRIORITIES, PriorityName
 from appliance.plan.validate import validate
 from appliance.runtime.server_api import ServerApi
-from appliance.runtime.server_process import die_with_parent, stop, wait_until_ready
+from appliance.runtime.server_process import die_with_parent, free_port, stop, wait_until_ready
 from appliance.system.run import DEVNULL, spawn
 
 MESSAGES = [{"role": "user", "content": "Write a Python function that parses an ISO 8601 date. Explain it briefly."}]

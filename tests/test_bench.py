@@ -28,10 +28,11 @@ from appliance.measure.chart import draw_bench_chart
 from appliance.measure.config import NO_SPECULATION, BenchError, Config
 from appliance.measure.measure import Sample, Stats, WorkloadResult
 from appliance.measure.progress import Progress, duration, time_left
-from appliance.measure.server import free_port, server_argv
+from appliance.measure.server import TempServer, free_port, server_argv
 from appliance.measure.suite import CHAT_MARGIN, canary_workload, fit_document, load_suite, long_prompt, prepare
 from appliance.plan.validate import validate
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
+from appliance.system.users import account
 
 
 def rough_count(text: str) -> int:
@@ -140,6 +141,26 @@ def test_a_configuration_is_planned_again_and_refused_when_its_plan_has_errors(e
         server_argv(validated, Config(("draft-simple",), 6, 3, 0.0, draft_cache_type="f32"), 18080)
     with pytest.raises(BenchError, match=r"models.draft.gpu_layers: .*less than or equal to 1000"):
         server_argv(validated, Config(("draft-simple",), 6, 3, 0.0, draft_gpu_layers=1001), 18080)
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(os.geteuid() != 0 or account() is None, reason="needs root and the llm-appliance user")
+def test_bench_and_tune_servers_run_as_the_service_user_and_answer_only_their_key(
+    example: Callable[..., Path],
+) -> None:
+    """issue 36, High 5: root's bench or tune started llama-server as root, on a loopback port, with no key."""
+    service = account()
+    assert service is not None
+    with TempServer(validate(example("demo.toml")), NO_SPECULATION) as server:
+        assert server.pid is not None
+        status = Path(f"/proc/{server.pid}/status").read_text()
+        uids = next(line.split()[1:] for line in status.splitlines() if line.startswith("Uid:"))
+        assert uids == [str(service.uid)] * 4  # real, effective, saved, filesystem
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        stranger = ServerApi(server.api.base_url, None, timeout=30.0)
+        with pytest.raises(ServerUnreachable, match="answered 401"):
+            stranger.call("/v1/chat/completions", body)
+        assert server.api.call("/v1/chat/completions", body, timeout=60.0)["choices"]
 
 
 def test_no_measuring_module_starts_a_process_or_writes_a_file_by_itself() -> None:

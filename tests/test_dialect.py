@@ -20,6 +20,7 @@ from appliance.plan.validate import validate
 from appliance.spec.load import load_spec
 from appliance.spec.problems import Severity
 from appliance.spec.speculative import NgramMod, NgramSizes, Speculative
+from appliance.system.users import runs_as
 
 OLDER_HELP = Path(__file__).parent / "data" / "llama-server-older.help.txt"
 BINARY = "/opt/llm-appliance/engine/bin/llama-server"
@@ -28,7 +29,7 @@ ALIAS = "smollm2-demo"  # what the plan resolves (tests/test_clients.py: from th
 
 @pytest.fixture(scope="module")
 def real_dialect(engine_binary: Path) -> Dialect:
-    return read_binary_dialect(engine_binary)
+    return read_binary_dialect(engine_binary, runs_as())
 
 
 @pytest.fixture(scope="module")

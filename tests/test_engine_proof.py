@@ -34,6 +34,7 @@ from appliance.plan.priority import PRIORITIES
 from appliance.plan.validate import validate
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 from appliance.runtime.server_death import LAST_EXIT
+from appliance.runtime.server_process import free_port, temporary_key
 from appliance.system import paths
 from appliance.system.users import account
 
@@ -254,7 +255,7 @@ def test_a_crash_after_the_first_token_fails_the_proof_and_reads_the_same_in_the
     assert "skipped: " in message and "is not built by llm-appliance" in message
     # The server unit's launcher (the journal, `up`) words the same death the same way, and leaves it for `status`.
     argv = list(validate(spec_of(binary)).plan.argv)
-    port = str(engine_proof.free_port())
+    port = str(free_port())
     argv[argv.index("--port") + 1] = port
     state = tmp_path / "state"
     state.mkdir()
@@ -310,7 +311,7 @@ def test_up_proves_a_crashing_engine_serves_from_its_rung_and_status_and_explain
     keeps --no-repack; it serves; `explain` and `status` say which rung and why."""
     binary = fake_engines.sigill_unless(outside_tmp / "user-engine" / "llama-server", engine_binary)
     text = spec_of(binary).read_text()
-    server, exporter = engine_proof.free_port(), engine_proof.free_port()
+    server, exporter = free_port(), free_port()
     spec = tmp_path / "demo.toml"
     spec.write_text(text.replace("port = 8080", f"port = {server}").replace("port = 9478", f"port = {exporter}"))
     record = record_file(binary, paths.ENGINE_DIR)
@@ -367,8 +368,8 @@ def test_the_real_engine_is_proven_on_this_cpu(
     validated = validate(spec_of(native))
     trials = []
     for rung, flags in (("as-built", ()), ("no-repack", ("--no-repack",))):
-        with engine_proof.proof_key(engine_proof.proof_user()) as (key_file, key):
-            port = engine_proof.free_port()
+        with temporary_key(engine_proof.proof_user()) as (key_file, key):
+            port = free_port()
             argv = [*engine_proof.proof_plan(validated, port, key_file), *flags]
             sets = (
                 tuple(manifest.instruction_sets)

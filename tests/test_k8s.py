@@ -328,6 +328,26 @@ def test_network_policy_lets_in_network_allow_and_lets_out_dns_and_the_api_serve
     assert [[p["port"] for p in rule["ports"]] for rule in to_pods] == [[53, 53], [9478]]
 
 
+def test_a_denied_pod_reaches_the_api_server_at_its_address_alone(out: Path) -> None:
+    """issue 36, k8s: without kubernetes.api_server a private or egress-deny pod could reach any address on 443."""
+    for name in ("demo-1", "demo-3"):
+        egress = one(out / "plain", "NetworkPolicy", name)["spec"]["egress"]
+        assert all(rule.get("to") for rule in egress), egress  # no rule of ports alone: every one names whom
+        (api,) = [rule for rule in egress if {p["port"] for p in rule["ports"]} == {443, 6443}]
+        assert api["to"] == [{"ipBlock": {"cidr": "192.0.2.10/32"}}]
+
+
+def test_an_egress_denied_fleet_without_the_api_servers_address_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = fleet_copy(tmp_path, {'api_server = "192.0.2.10/32"\n': ""})
+    assert main(["k8s", "render", str(path), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"{re.escape(str(path))}:\d+: error: kubernetes.api_server: demo-1, demo-3 deny egress", err), err
+    assert "kubectl get endpoints kubernetes" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_fleet_file_without_an_image_is_refused_where_it_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -19,6 +19,7 @@ from appliance.spec.base import DEFAULT_BINARY
 from appliance.spec.load import load_spec
 from appliance.system import paths
 from appliance.system.run import CommandFailed
+from appliance.system.users import NoServiceUser, runs_as
 
 
 def cmd_engine_install(args: argparse.Namespace) -> int:
@@ -56,8 +57,8 @@ def cmd_engine_info(args: argparse.Namespace) -> int:
     record = EngineRecord.read(record_file(binary, args.dest))
     print("\n".join(engine_lines(record, stale_reason(binary, record, manifest))))
     try:
-        dialect = read_binary_dialect(Path(manifest.binary))
-    except (OSError, CommandFailed) as exc:
+        dialect = read_binary_dialect(Path(manifest.binary), runs_as())
+    except (OSError, CommandFailed, NoServiceUser) as exc:
         print(f"cannot read the flag dialect of {manifest.binary}: {exc}", file=sys.stderr)
         return EXIT_ENGINE
     spec_flags = sorted(f for f in dialect.flags if f.startswith("--spec-") or f in ("-md", "--draft-max"))

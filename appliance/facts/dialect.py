@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from appliance.system.run import run
+from appliance.system.users import Account
 
 _OPTION = re.compile(r"(?<![\w-])(--?[A-Za-z][A-Za-z0-9-]*)")
 # "--spec-type none,draft-simple,...,ngram-cache": the accepted values stand in the options column.
@@ -131,10 +132,11 @@ def parse_help(text: str, source: str) -> Dialect:
     return Dialect(frozenset(flags), source, spec_types)
 
 
-def read_binary_dialect(binary: Path, timeout: float = 20.0) -> Dialect:
-    """Run `BINARY --help`; raises CommandFailed (it did not run) or OSError (it printed no options)."""
+def read_binary_dialect(binary: Path, who: Account | None, timeout: float = 20.0) -> Dialect:
+    """Run `BINARY --help` as `who` (None: as this process; users.runs_as says whom); raises CommandFailed (it
+    did not run) or OSError (it printed no options)."""
     # Quiet: a probe, run by every validate and render; its exit code is judged by what it printed.
-    result = run([binary, "--help"], timeout=timeout, check=False, quiet=True)
+    result = run([binary, "--help"], timeout=timeout, check=False, quiet=True, who=who)
     text = result.stdout + result.stderr
     dialect = parse_help(text, str(binary))
     if not dialect.flags:

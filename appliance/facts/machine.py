@@ -20,6 +20,7 @@ from appliance.spec.base import DEFAULT_BINARY
 from appliance.spec.model import Spec
 from appliance.system import paths
 from appliance.system.run import CommandFailed
+from appliance.system.users import Account, NoServiceUser, account, runs_as, trusted_status
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class MachineFacts:
     router_missing: str | None = None  # [fallback]: what the router needs and this machine lacks
     engine: EngineRecord | None = None  # the proof of `binary` on this machine, and the rung it serves from
     engine_stale: str | None = None  # why `binary` must be proven (again) before it serves; None: it is proven
+    # Why the service user could change what `binary` runs (it, its libraries, a directory on the way): such an
+    # engine is not run, not even its --help; None: it cannot.
+    binary_untrusted: str | None = None
 
     def gpu(self, device: str) -> GpuMemory | None:
         return next((g for g in self.gpus if g.device == device), None)
@@ -48,6 +52,25 @@ def find_binary(spec: Spec) -> Path | None:
         # "\0" in a path makes os.access raise ValueError; such a file cannot exist.
         if candidate and "\0" not in candidate and os.access(candidate, os.X_OK) and Path(candidate).is_file():
             return Path(candidate)
+    return None
+
+
+def untrusted_engine(binary: Path, who: Account) -> str | None:
+    """Why `who` could change what running `binary` runs, or None: the binary (as named and as its links lead),
+    every library beside it or in its ../lib (where its RUNPATH and llama-cpp-python look), and every directory
+    on the way to them, each by users.trusted_status."""
+    real = binary.resolve()
+    found = [binary, real]
+    for directory in (real.parent, real.parent.parent / "lib"):
+        if directory.is_dir():
+            found += sorted(p for p in directory.iterdir() if ".so" in p.name)
+    for path in dict.fromkeys(found):
+        try:
+            reason = trusted_status(path, who)
+        except OSError as exc:
+            reason = f"cannot check {path}: {exc.strerror}"
+        if reason:
+            return reason
     return None
 
 
@@ -72,14 +95,19 @@ def gather(spec: Spec, nvml: Nvml | None = None, meminfo: Path = MEMINFO) -> Mac
     except NvmlUnavailable as exc:
         nvml_error = str(exc)
     binary = find_binary(spec)
-    note = None
+    note, untrusted = None, None
+    service = account()
+    if binary is not None and service is not None:
+        untrusted = untrusted_engine(binary, service)
     if binary is None:
         dialect = builtin_dialect()
         note = f"{spec.server.binary} not found; planned with the flags of the llama.cpp this release builds"
+    elif untrusted:
+        dialect = builtin_dialect()
     else:
         try:
-            dialect = read_binary_dialect(binary)
-        except (OSError, CommandFailed) as exc:
+            dialect = read_binary_dialect(binary, runs_as())
+        except (OSError, CommandFailed, NoServiceUser) as exc:
             dialect = builtin_dialect()
             note = f"{binary} --help failed ({exc}); planned with the built-in dialect"
     host_memory, host_memory_error = None, None
@@ -90,7 +118,17 @@ def gather(spec: Spec, nvml: Nvml | None = None, meminfo: Path = MEMINFO) -> Mac
     router = router_missing() if spec.fallback is not None else None
     engine, engine_stale = proof_of(binary, spec.engine.rung, nvml) if binary else (None, None)
     return MachineFacts(
-        gpus, nvml_error, binary, dialect, note, host_memory, host_memory_error, router, engine, engine_stale
+        gpus,
+        nvml_error,
+        binary,
+        dialect,
+        note,
+        host_memory,
+        host_memory_error,
+        router,
+        engine,
+        engine_stale,
+        untrusted,
     )
 
 

@@ -141,7 +141,7 @@ class Kubernetes(Strict):
     # Where the Prometheus that reads the PodMonitors runs: its pods may scrape the appliances and HAProxy.
     monitoring_namespace: Annotated[str, Field(pattern=DNS_LABEL)] = "monitoring"
     # The API server's address as pods reach it after the Service's DNAT (`kubectl get endpoints kubernetes`):
-    # the one egress besides DNS, for the daemon's Eviction. Unset: any address on ports 443 and 6443.
+    # the one egress besides DNS, for the daemon's Eviction. Required where a pod's egress is denied.
     api_server: CIDR | None = None
     cluster_domain: Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")] = "cluster.local"
     haproxy_image: Image = "haproxy:2.6"

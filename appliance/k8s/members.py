@@ -115,9 +115,28 @@ def appliance_sets(fleet: LoadedFleet, facts: MachineFacts | None = None) -> tup
         member = ApplianceSet(first.name, tuple(hosts), source, text, appliance)
         found += [where_written(p, fleet, first, source) for p in _device_problems(member)]
         done.append(member)
+    found += _api_server_problems(fleet, done)
     if any(p.severity is Severity.ERROR for p in found):
         raise SpecInvalid(found)
     return done, found
+
+
+def _api_server_problems(fleet: LoadedFleet, members: list[ApplianceSet]) -> list[Problem]:
+    """A pod whose egress is denied reaches DNS, its peers and, for its daemon's Eviction (turns = "eviction"),
+    the API server: at its address, or the NetworkPolicy could only say "any address on 443 and 6443", and a
+    private pod could send its code to any HTTPS server."""
+    table = kubernetes_of(fleet)
+    denied = [m.name for m in members if m.appliance.egress_deny]
+    if table.api_server is not None or not denied:
+        return []
+    problem = error(
+        "kubernetes.api_server",
+        f'{", ".join(denied)} deny egress (network.egress = "deny"), and their daemons evict their own pods: '
+        "the NetworkPolicy lets them reach the API server alone, whose address the fleet file does not name",
+        'add api_server = "ADDRESS/32" to [kubernetes], the address pods reach it at after the Service\'s DNAT '
+        "(`kubectl get endpoints kubernetes -n default`)",
+    )
+    return [fleet.locate(problem)]
 
 
 def _pods_ready(fleet: LoadedFleet, groups: list[list[Host]]) -> dict[str, str]:

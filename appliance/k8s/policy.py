@@ -100,7 +100,8 @@ def _dns() -> Manifest:
 
 
 def _api_server(fleet: Fleet) -> Manifest:
-    assert fleet.kubernetes is not None
+    # At its address alone (k8s/members.py refuses an egress-denied fleet without one): a rule of ports alone
+    # would let a private pod reach any address on 443.
+    assert fleet.kubernetes is not None and fleet.kubernetes.api_server is not None
     ports = [{"protocol": "TCP", "port": port} for port in API_SERVER_PORTS]
-    where = fleet.kubernetes.api_server
-    return {"to": [{"ipBlock": {"cidr": where}}], "ports": ports} if where else {"ports": ports}
+    return {"to": [{"ipBlock": {"cidr": fleet.kubernetes.api_server}}], "ports": ports}

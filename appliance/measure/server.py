@@ -7,8 +7,8 @@ whether other processes took the CPUs while a sample ran.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -16,20 +16,25 @@ from types import TracebackType
 from appliance.measure.config import BenchError, Config, configured
 from appliance.plan.plan import plan
 from appliance.plan.validate import Validated
-from appliance.runtime.server_api import ServerApi, read_api_key
+from appliance.runtime.server_api import ServerApi
 from appliance.runtime.server_death import describe_exit, engine_facts, llama_error
-from appliance.runtime.server_process import die_with_parent, stop, wait_until_ready
+from appliance.runtime.server_process import die_with_parent, free_port, stop, temporary_key, wait_until_ready
 from appliance.spec.problems import Severity
 from appliance.system.run import DEVNULL, STDOUT, Popen, spawn
+from appliance.system.users import NoServiceUser, runs_as
 
 LOAD_TIMEOUT = 900.0  # a 27B model takes minutes to load
 
 
-def server_argv(validated: Validated, config: Config, port: int) -> list[str]:
-    """The llama-server argv of the spec configured with `config`, planned again on 127.0.0.1:port, in the
-    binary's dialect. For the baseline no speculative flag is given at all (no draft model is loaded)."""
+def server_argv(validated: Validated, config: Config, port: int, key_file: Path | None = None) -> list[str]:
+    """The llama-server argv of the spec configured with `config`, planned again on 127.0.0.1:port (with
+    `key_file` as its key, when given), in the binary's dialect. For the baseline no speculative flag is given
+    at all (no draft model is loaded)."""
     spec = configured(validated.plan.spec, config)
-    spec = spec.model_copy(update={"server": spec.server.model_copy(update={"host": "127.0.0.1", "port": port})})
+    server: dict[str, object] = {"host": "127.0.0.1", "port": port}
+    if key_file is not None:
+        server["api_key_file"] = key_file
+    spec = spec.model_copy(update={"server": spec.server.model_copy(update=server)})
     draft = validated.plan.draft if config.draft else None
     planned = plan(spec, validated.facts, validated.plan.target, draft)
     errors = [p for p in planned.problems if p.severity is Severity.ERROR]
@@ -37,12 +42,6 @@ def server_argv(validated: Validated, config: Config, port: int) -> list[str]:
         problems = "; ".join(f"{p.field}: {p.message}" for p in errors)
         raise BenchError(f"cannot run llama-server with {config.label()}: {problems}")
     return list(planned.argv)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class ServerLog:
@@ -73,7 +72,9 @@ class ServerLog:
 
 
 class TempServer:
-    """A llama-server of its own for one configuration: started on a free loopback port, stopped on exit."""
+    """A llama-server of its own for one configuration: started on a free loopback port with a key of its own,
+    as the service user when root starts it (as `up` runs it; root runs nothing of the engine's), stopped on
+    exit."""
 
     def __init__(self, validated: Validated, config: Config, load_timeout: float = LOAD_TIMEOUT) -> None:
         self.validated = validated
@@ -82,7 +83,7 @@ class TempServer:
         self.process: Popen[str] | None = None
         self.api = ServerApi("http://127.0.0.1:0")
         self.log = ServerLog()
-        self.api_key = read_api_key(validated.plan.spec.server.api_key_file)
+        self.keys = ExitStack()
 
     @property
     def pid(self) -> int | None:
@@ -97,14 +98,27 @@ class TempServer:
         return self
 
     def _start(self) -> None:
+        try:
+            who = runs_as()
+        except NoServiceUser as exc:
+            raise BenchError(str(exc)) from None
+        key_file, key = self.keys.enter_context(temporary_key(who))
         for _attempt in range(3):  # another process may take the free port first
             port = free_port()
-            argv = server_argv(self.validated, self.config, port)
+            argv = server_argv(self.validated, self.config, port, key_file)
             self.log.clear()
             self.process = spawn(
-                argv, stdin=DEVNULL, stdout=self.log.file, stderr=STDOUT, preexec_fn=die_with_parent, quiet=True
+                argv,
+                stdin=DEVNULL,
+                stdout=self.log.file,
+                stderr=STDOUT,
+                preexec_fn=die_with_parent,
+                quiet=True,
+                user=who.uid if who else None,
+                group=who.gid if who else None,
+                extra_groups=list(who.groups) if who else None,
             )
-            self.api = ServerApi(f"http://127.0.0.1:{port}", self.api_key, timeout=5.0)
+            self.api = ServerApi(f"http://127.0.0.1:{port}", key, timeout=5.0)
             if wait_until_ready(self.process, self.api, self.load_timeout):
                 return
             if "bind" not in self.log.text().lower():
@@ -117,6 +131,7 @@ class TempServer:
     ) -> None:
         if self.process is not None:
             stop(self.process)
+        self.keys.close()
         self.log.close()
 
 

@@ -35,8 +35,6 @@ from appliance.ops.engine_build import EngineBuilds
 from appliance.ops.engine_proof import (
     LOAD_TIMEOUT,
     EngineUnproven,
-    free_port,
-    proof_key,
     proof_plan,
     proof_user,
     run_proof,
@@ -46,6 +44,7 @@ from appliance.plan.resolved import Appliance
 from appliance.plan.validate import Validated, validate, validate_loaded
 from appliance.render.apply import Change, changes, write
 from appliance.render.render import render
+from appliance.runtime.server_process import free_port, temporary_key
 from appliance.spec.load import KeyLines, LoadedSpec
 from appliance.system import paths
 
@@ -104,7 +103,7 @@ def climb(
             continue
         sets = tuple(manifest.instruction_sets) if manifest and rung_binary == binary else _built_sets(rung_binary)
         say(f"proving {RUNG_MEANING[rung]} ({rung_binary})")
-        with proof_key(who) as (key_file, key):
+        with temporary_key(who) as (key_file, key):
             port = free_port()
             proof = proof_plan(validated, port, key_file)
             argv = [str(rung_binary), *proof[1:], *RUNG_ARGS.get(rung, ())]

@@ -12,10 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import secrets
-import shutil
-import socket
-import tempfile
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -35,9 +31,8 @@ from appliance.runtime.server_api import ServerApi, ServerUnreachable
 from appliance.runtime.server_death import describe_exit
 from appliance.runtime.server_process import die_with_parent, stop, wait_until_ready
 from appliance.spec.problems import Severity
-from appliance.system import paths
 from appliance.system.run import DEVNULL, PIPE, STDOUT, Popen, spawn
-from appliance.system.users import Account, account
+from appliance.system.users import Account, NoServiceUser, runs_as
 
 LOAD_TIMEOUT = 900.0  # a 27B model takes minutes to load from a cold disk
 ANSWER_TIMEOUT = 600.0
@@ -177,38 +172,10 @@ def _failed(
     return Trial(rung, False, failure="llama-server " + describe_exit(code, list(tail), build_sets, cpu))
 
 
-@contextlib.contextmanager
-def proof_key(who: Account | None) -> Iterator[tuple[Path, str]]:
-    """A key of the proof's own, in a directory only the service user and root can enter, gone afterwards."""
-    directory = Path(tempfile.mkdtemp(prefix="llm-appliance-proof-"))
-    try:
-        key = secrets.token_urlsafe(32)
-        key_file = directory / "key"
-        key_file.write_text(key + "\n")
-        key_file.chmod(0o400)
-        if who is not None:
-            os.chown(directory, who.uid, who.gid)
-            os.chown(key_file, who.uid, who.gid)
-        yield key_file, key
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def proof_user() -> Account | None:
     """Whom the proof runs as: the service user when root runs it (root runs nothing of the appliance's),
     else whoever runs it."""
-    if os.geteuid() != 0:
-        return None
-    who = account()
-    if who is None:
-        raise EngineUnproven(
-            f"the service user {paths.SERVICE_USER} does not exist, and root runs no llama-server itself: "
-            "install.sh creates it (`useradd --system llm-appliance` does too)"
-        )
-    return who
+    try:
+        return runs_as()
+    except NoServiceUser as exc:
+        raise EngineUnproven(str(exc)) from None

@@ -64,6 +64,17 @@ def validate_loaded(
                 "run `llm-appliance router-install` (install.sh does, for a spec with [fallback])",
             )
         )
+    if facts.binary_untrusted:
+        found.append(
+            error(
+                "server.binary",
+                f"{facts.binary} is not run, not even its --help: {facts.binary_untrusted}, so it could run "
+                f"anything as the server (and, for its probes, as root)",
+                "install the engine where only root can write (`llm-appliance engine install` puts it in "
+                "/opt/llm-appliance/engine), or make the binary, its libraries and every directory above them "
+                "root's and not writable by others (chown root:root; chmod go-w)",
+            )
+        )
     if facts.dialect_note:
         found.append(
             warning("server.binary", facts.dialect_note, "run `llm-appliance engine install`, or set server.binary")
@@ -85,7 +96,8 @@ def validate_loaded(
                 )
             )
     target, draft = infos.get("target"), infos.get("draft")
-    if target is not None and draft is not None and spec.speculative.draft_types:
+    # An engine that is not trusted lends no library to the vocabulary check: its error above says so.
+    if target is not None and draft is not None and spec.speculative.draft_types and not facts.binary_untrusted:
         found += _vocab_problems(
             spec.models.target.path, spec.models.draft.path if spec.models.draft else Path(), facts, vocab_reader
         )

@@ -7,17 +7,49 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
+import secrets
+import shutil
 import signal
+import socket
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 from appliance.runtime.server_api import ServerApi, ServerUnreachable
 from appliance.system.run import Popen, TimeoutExpired
+from appliance.system.users import Account
 
 log = logging.getLogger("llm-appliance.launch")
 
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT = 30.0
+
+
+@contextlib.contextmanager
+def temporary_key(who: Account | None) -> Iterator[tuple[Path, str]]:
+    """A key of a short-lived server's own (the engine proof's, bench's, tune's), in a directory only `who`
+    (the server's user) and root can enter, gone afterwards: a loopback port is any local user's to call."""
+    directory = Path(tempfile.mkdtemp(prefix="llm-appliance-key-"))
+    try:
+        key = secrets.token_urlsafe(32)
+        key_file = directory / "key"
+        key_file.write_text(key + "\n")
+        key_file.chmod(0o400)
+        if who is not None:
+            os.chown(directory, who.uid, who.gid)
+            os.chown(key_file, who.uid, who.gid)
+        yield key_file, key
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def die_with_parent() -> None:

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import IO, Any
 
+from appliance.system.users import Account
+
 log = logging.getLogger("llm-appliance.run")
 # Re-exported so that callers holding a child process need not import subprocess themselves.
 Popen = subprocess.Popen
@@ -24,6 +26,12 @@ DEVNULL, PIPE, STDOUT = subprocess.DEVNULL, subprocess.PIPE, subprocess.STDOUT
 TAIL = 2000
 Stream = int | IO[Any] | None
 Argv = Sequence[str | os.PathLike[str]]  # paths are welcome; everything is str by the time it runs
+
+
+def _as(who: Account | None) -> dict[str, Any]:
+    if who is None:
+        return {}
+    return {"user": who.uid, "group": who.gid, "extra_groups": list(who.groups), "cwd": "/"}
 
 
 class CommandFailed(Exception):
@@ -57,14 +65,26 @@ def run(
     env: Mapping[str, str] | None = None,
     input: str | None = None,
     quiet: bool = False,
+    who: Account | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> subprocess.CompletedProcess[str]:
     """Run to completion, capturing stdout and stderr. A non-zero exit raises CommandFailed when `check`;
     a program that cannot start or runs past `timeout` always does, since it left no result to look at.
-    `quiet` is for probes run over and over (the health daemon's systemctl, `--help`): not logged."""
+    `quiet` is for probes run over and over (the health daemon's systemctl, `--help`): not logged.
+    `who`: the account it runs as (its groups, gid and uid), in `/` (root's own directory may be closed to it);
+    `pass_fds`: files it inherits open (one root opened for it, as systemd binds one into a unit)."""
     argv = _announce(argv, quiet)
     try:
         result = subprocess.run(
-            argv, capture_output=True, text=True, timeout=timeout, env=_environment(env), input=input, check=False
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=_environment(env),
+            input=input,
+            check=False,
+            pass_fds=pass_fds,
+            **_as(who),
         )
     except OSError as exc:
         raise CommandFailed(argv, None, str(exc)) from None

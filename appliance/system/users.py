@@ -57,6 +57,25 @@ def account(name: str = paths.SERVICE_USER) -> Account | None:
     return Account(name, entry.pw_uid, entry.pw_gid, tuple(dict.fromkeys(groups)))
 
 
+class NoServiceUser(Exception):
+    """Root was to run a program of the appliance's and the service user it runs them as does not exist."""
+
+
+def runs_as(name: str = paths.SERVICE_USER) -> Account | None:
+    """Whom this process runs the appliance's programs as (llama-server, its `--help`, llama.cpp's loader):
+    itself (None) unless it is root. Root runs them as the service user, never as itself: whoever could change
+    the binary or its libraries would get root. Raises NoServiceUser when root and the user does not exist."""
+    if os.geteuid() != 0:
+        return None
+    who = account(name)
+    if who is None:
+        raise NoServiceUser(
+            f"the service user {name} does not exist, and root runs no llama.cpp itself: "
+            f"install.sh creates it (`useradd --system {name}` does too)"
+        )
+    return who
+
+
 def may(status: os.stat_result, who: Account, access: int) -> bool:
     """Whether the mode bits give `who` every bit of `access` (READ, WRITE, SEARCH), as the kernel decides:
     the owner class if it owns the file, else the group class if it is in the group, else the others."""
@@ -124,7 +143,13 @@ def trusted_status(path: Path, who: Account) -> str | None:
     if reason:
         return reason
     entry = os.lstat(path)
-    if entry.st_uid == who.uid or may(entry, who, WRITE):
+    if entry.st_uid == who.uid:
+        return f"{path} can be changed by {who.name}"
+    if stat.S_ISLNK(entry.st_mode):
+        # A link's own mode is always 0777 and means nothing; what it leads to is what is read or run.
+        real = Path(os.path.realpath(path))
+        return None if real == path else trusted_status(real, who)
+    if may(entry, who, WRITE):
         return f"{path} can be changed by {who.name}"
     return None
 
