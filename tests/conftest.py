@@ -244,3 +244,29 @@ def service_settings(unit_text: str) -> dict[str, list[str]]:
             key, _, value = line.partition("=")
             settings.setdefault(key, []).append(value)
     return settings
+
+
+@pytest.fixture
+def engine_dir(outside_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """An engine tree of a test's own (the service user must reach its wrappers: not under /tmp)."""
+    directory = outside_tmp / f"engine-{request.node.name[:40]}"
+    (directory / "bin").mkdir(parents=True, mode=0o755)
+    directory.chmod(0o755)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def spec_of(tmp_path: Path, smollm2: Path) -> Callable[..., Path]:
+    """The demo spec with a binary of its own (and, optionally, a pinned engine rung)."""
+
+    def make(binary: Path, rung: str | None = None) -> Path:
+        text = (EXAMPLES / "demo.toml").read_text().replace("[server]\n", f'[server]\nbinary = "{binary}"\n', 1)
+        text = text.replace(f"{INSTALLED_MODELS}/{SMOLLM2}", str(smollm2))
+        if rung:
+            text += f'\n[engine]\nrung = "{rung}"\n'
+        spec = tmp_path / "demo.toml"
+        spec.write_text(text)
+        return spec
+
+    return make

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import fake_engines
@@ -65,26 +64,6 @@ class DriverNvml:
 
     def power_milliwatts(self, index: int) -> int:
         return 0
-
-
-@pytest.fixture
-def engine_dir(outside_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
-    directory = outside_tmp / f"changes-{request.node.name[:40]}"
-    (directory / "bin").mkdir(parents=True, mode=0o755)
-    directory.chmod(0o755)
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-@pytest.fixture
-def spec_of(tmp_path: Path, smollm2: Path) -> Callable[[Path], Path]:
-    def make(binary: Path) -> Path:
-        text = (EXAMPLES / "demo.toml").read_text().replace("[server]\n", f'[server]\nbinary = "{binary}"\n', 1)
-        spec = tmp_path / "demo.toml"
-        spec.write_text(text.replace("/var/lib/llm-appliance/models/SmolLM2-135M-Instruct.Q4_1.gguf", str(smollm2)))
-        return spec
-
-    return make
 
 
 def test_a_new_driver_changes_the_fingerprint_and_the_proof_no_longer_holds(engine_binary: Path) -> None:

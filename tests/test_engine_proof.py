@@ -16,12 +16,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import fake_engines
 import pytest
-from conftest import EXAMPLES, UpProcess
+from conftest import UpProcess
 
 from appliance.facts.cpu import AMX, read_cpu
 from appliance.facts.engine_manifest import Manifest
@@ -75,32 +75,6 @@ def built_manifest(engine_dir: Path) -> Manifest:
         build="native",
         instruction_sets=list(dict.fromkeys(sets)),
     )
-
-
-@pytest.fixture
-def engine_dir(outside_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
-    """An engine tree of its own (the service user must reach the wrappers: not under /tmp)."""
-    directory = outside_tmp / f"engine-{request.node.name[:40]}"
-    (directory / "bin").mkdir(parents=True, mode=0o755)
-    directory.chmod(0o755)
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-@pytest.fixture
-def spec_of(tmp_path: Path, smollm2: Path) -> Callable[..., Path]:
-    """The demo spec with its own binary (and, optionally, a pinned rung)."""
-
-    def make(binary: Path, rung: str | None = None) -> Path:
-        text = (EXAMPLES / "demo.toml").read_text().replace("[server]\n", f'[server]\nbinary = "{binary}"\n', 1)
-        text = text.replace("/var/lib/llm-appliance/models/SmolLM2-135M-Instruct.Q4_1.gguf", str(smollm2))
-        if rung:
-            text += f'\n[engine]\nrung = "{rung}"\n'
-        spec = tmp_path / "demo.toml"
-        spec.write_text(text)
-        return spec
-
-    return make
 
 
 def said() -> tuple[list[str], Callable[[str], None]]:
