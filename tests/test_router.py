@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_health_daemon import server_pids, wait_ready, wait_until
 from test_launch import LOAD_SECONDS, free_port
 
+from appliance.facts.engine_record import EngineRecord, record_file
 from appliance.facts.machine import router_missing
 from appliance.health.router import LITELLM
 from appliance.runtime.server_api import ServerApi, Streamed
@@ -70,6 +72,9 @@ def upstream(smollm2: Path) -> Iterator[str]:
         binary = paths.engine_binary(paths.ENGINE_DIR)
         argv = [str(binary), "-m", str(smollm2), "--host", UPSTREAM_V4, "--port", str(UPSTREAM_PORT)]
         argv += ["--alias", UPSTREAM_MODEL, "-c", "2048", "-t", "1", "--log-verbosity", "2"]
+        # The rung this machine proved (--no-repack where ggml's AMX kernels die while loading).
+        record = EngineRecord.read(record_file(binary, paths.ENGINE_DIR))
+        argv += record.extra_args if record else ()
         server = subprocess.Popen(
             ["ip", "netns", "exec", namespace, *argv],
             stdout=subprocess.DEVNULL,
@@ -298,3 +303,119 @@ def test_the_litellm_binary_is_the_pinned_one() -> None:
     shown = subprocess.run([str(pip), "show", "litellm"], capture_output=True, text=True, check=True).stdout
     assert "Version: 1.80.0" in shown
     assert shutil.which("litellm") != str(LITELLM)  # not on anyone's PATH: only the router runs it
+
+
+CLIENT_KEY = "sk-client-5d1e9a"  # server.api_key_file's second key: every key the server takes is a client's
+ALIAS = "smollm2-135m-instruct"
+
+
+def _rendered_router(spec: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """The router as its unit runs it, from the files `render` wrote for `spec`; its log beside."""
+    rendered = tmp_path / "root"
+    render = subprocess.run(
+        [sys.executable, "-m", "appliance.cli.main", "render", str(spec), "--out", str(rendered)],
+        capture_output=True,
+        text=True,
+        timeout=REQUEST_SECONDS,
+    )
+    assert render.returncode == 0, render.stderr
+    config_dir = rendered / paths.ROUTER_DIR.relative_to("/")
+    log_path = tmp_path / "router.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "appliance.cli.main",
+                "router",
+                "--config-dir",
+                str(config_dir),
+                "--as-current-user",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    return process, log_path
+
+
+def _post(port: int, path: str, body: dict[str, object] | None, key: str | None = None) -> tuple[int, str]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_SECONDS) as response:
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode()
+
+
+def _chat(model: str = ALIAS, **extra: object) -> dict[str, object]:
+    return {"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, **extra}
+
+
+def test_a_client_of_the_router_reaches_the_local_alias_alone_and_is_not_its_admin(
+    example: Callable[..., Path], upstream: str, tmp_path: Path, key_file: Callable[..., Path]
+) -> None:
+    """issue 36, router: the master key was the clients' key (every client the proxy's admin), and any client
+    could ask for model "fallback" and go straight to the upstream, private or not."""
+    router_port = free_port()
+    spec = fallback_spec(example, upstream, router_port)
+    keys = key_file("sk-server-first-77aa", CLIENT_KEY)
+    scrape = key_file("sk-server-first-77aa", name="scrape-key")
+    text = spec.read_text().replace("[server]\n", f'[server]\napi_key_file = "{keys}"\n')
+    spec.write_text(text.replace("[prometheus]\n", f'[prometheus]\nscrape_key_file = "{scrape}"\n'))
+    process, log = _rendered_router(spec, tmp_path)
+    try:
+        wait_router(ServerApi(f"http://127.0.0.1:{router_port}", timeout=10), process, log)
+        # No llama-server runs: the alias goes upstream, as a client of the router is entitled to.
+        status, answer = _post(router_port, "/v1/chat/completions", _chat(), CLIENT_KEY)
+        assert status == 200, answer
+        assert (
+            _post(router_port, "/v1/completions", {"model": ALIAS, "prompt": "Hi", "max_tokens": 2}, CLIENT_KEY)[0]
+            == 200
+        )
+        for key in (None, "sk-not-a-key"):
+            assert _post(router_port, "/v1/chat/completions", _chat(), key)[0] == 401
+        # The upstream's model group by name, and LiteLLM's own steering, are refused before any backend.
+        refused = [
+            _chat("fallback"),
+            _chat(mock_testing_fallbacks=True),
+            _chat(fallbacks=["fallback"]),
+            _chat(user_config={"model_list": []}),
+            _chat(metadata={"tags": ["x"]}),
+        ]
+        for body in refused:
+            status, answer = _post(router_port, "/v1/chat/completions", body, CLIENT_KEY)
+            assert status == 403, (body, answer)
+        # An api_base of the client's own: LiteLLM refuses it itself (401), before the clients' door.
+        assert _post(router_port, "/v1/chat/completions", _chat(api_base="http://192.0.2.1/v1"), CLIENT_KEY)[0] == 401
+        # The admin's routes are no client's, the server's key included.
+        for path, body in (
+            ("/key/generate", {}),
+            ("/model/new", {"model_name": "x", "litellm_params": {"model": "openai/x"}}),
+            ("/v1/models", None),
+            ("/health", None),
+        ):
+            for key in (CLIENT_KEY, "sk-server-first-77aa"):
+                status, answer = _post(router_port, path, body, key)
+                assert status == 403, (path, answer)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+
+
+def test_a_router_without_a_server_key_has_no_admin_anyone_can_be(
+    example: Callable[..., Path], upstream: str, tmp_path: Path
+) -> None:
+    """issue 36, router: without server.api_key_file LiteLLM had no master key, so anyone local was its admin."""
+    router_port = free_port()
+    process, log = _rendered_router(fallback_spec(example, upstream, router_port), tmp_path)
+    try:
+        wait_router(ServerApi(f"http://127.0.0.1:{router_port}", timeout=10), process, log)
+        assert _post(router_port, "/v1/chat/completions", _chat())[0] == 200  # no key asked, as the server asks none
+        assert _post(router_port, "/v1/chat/completions", _chat("fallback"))[0] == 403
+        assert _post(router_port, "/v1/models", None)[0] == 403
+        assert _post(router_port, "/key/generate", {})[0] == 403
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)

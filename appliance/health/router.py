@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from pathlib import Path
 
+from appliance.facts.keys import read_keys
 from appliance.plan.router import ROUTER_FILE, Router, RouterFileError
 from appliance.runtime.server_api import read_api_key
 from appliance.runtime.server_process import die_with_parent
@@ -48,9 +50,10 @@ def router_environment(router: Router, base: dict[str, str] | None = None) -> di
     """The router's environment: the keys (read here, as the user this process is), the gate's /ready, and
     LiteLLM told to stay offline (its price map is bundled; it sends no telemetry)."""
     try:
-        local_key = read_api_key(router.local_key_file) or NO_KEY
+        client_keys = read_keys(router.local_key_file) if router.local_key_file else []
     except OSError as exc:
         raise RouterError(f"cannot read server.api_key_file {router.local_key_file}: {exc.strerror}") from None
+    local_key = client_keys[0] if client_keys else NO_KEY
     try:
         upstream_key = read_api_key(router.upstream_key_file) or NO_KEY
     except OSError as exc:
@@ -58,6 +61,11 @@ def router_environment(router: Router, base: dict[str, str] | None = None) -> di
     environment = dict(os.environ if base is None else base)
     environment.update(
         LLM_APPLIANCE_LOCAL_KEY=local_key,
+        # Every key the server takes is a client's key of the router (client_auth.py); the admin key is fresh,
+        # and no one's: a client holding the master key would be the proxy's admin, and spend the upstream's key.
+        LLM_APPLIANCE_CLIENT_KEYS="\n".join(client_keys),
+        LLM_APPLIANCE_ADMIN_KEY="sk-" + secrets.token_urlsafe(32),
+        LLM_APPLIANCE_ALIAS=router.alias,
         LLM_APPLIANCE_UPSTREAM_KEY=upstream_key,
         LLM_APPLIANCE_READY_URL=router.ready_url,
         LLM_APPLIANCE_FALLBACK_REASONS=",".join(router.fallback_reasons),
@@ -65,8 +73,6 @@ def router_environment(router: Router, base: dict[str, str] | None = None) -> di
         LITELLM_TELEMETRY="False",
         NO_DOCS="True",
     )
-    if router.local_key_file is not None:
-        environment["LLM_APPLIANCE_ROUTER_KEY"] = local_key
     return environment
 
 

@@ -1,4 +1,4 @@
-"""The router's files ([fallback]): LiteLLM's config, the /ready gate it loads, router.json (what
+"""The router's files ([fallback]): LiteLLM's config, the /ready gate and the clients' door it loads, router.json (what
 `llm-appliance router` runs from) and the router's unit. Rendered beside one appliance (render.py) and on a
 fleet's balancer (fleet_render.py): the same files, in a different place.
 """
@@ -19,6 +19,7 @@ ROUTER_FILES = {
     f"etc/systemd/system/{paths.ROUTER_UNIT}": "router.service.j2",
     f"{CONFIG_DIR}/config.yaml": "router.yaml.j2",
     f"{CONFIG_DIR}/ready_gate.py": "ready_gate.py.j2",
+    f"{CONFIG_DIR}/client_auth.py": "client_auth.py.j2",
     f"{CONFIG_DIR}/{ROUTER_FILE}": "router.json.j2",
 }
 
@@ -58,7 +59,6 @@ class RouterView:
     timeout_seconds: int
     cooldown_seconds: int
     reasons_text: str
-    client_key: bool  # clients send a key: the router asks the first of server.api_key_file
     router_json: str
 
 
@@ -87,7 +87,6 @@ def router_view(router: Router | None, place: RouterPlace | None = None) -> Rout
         timeout_seconds=router.timeout_seconds,
         cooldown_seconds=router.cooldown_seconds,
         reasons_text=", ".join(router.fallback_reasons),
-        client_key=router.local_key_file is not None,
         router_json=router.to_json(place.header),
     )
 
