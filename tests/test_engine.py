@@ -57,9 +57,9 @@ def test_build_options_key_the_cache() -> None:
 
 
 def test_engine_info_prints_the_manifest_and_dialect(
-    engine_binary: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    engine_binary: Path, outside_tmp: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    dest = tmp_path / "engine"
+    dest = outside_tmp / "engine-info"  # its --help runs as the service user: not behind pytest's 0700 /tmp
     shutil.copytree(engine_binary.parent.parent, dest, symlinks=True)
     manifest = json.loads((dest / "manifest.json").read_text())
     manifest["binary"] = str(dest / "bin" / "llama-server")

@@ -102,8 +102,8 @@ FLEET_FIELDS: list[tuple[str, str, str, Callable[[str], str]]] = [
         lambda x: f"cluster.local{x}",
     ),
     (
-        'namespace = "llm-appliance"',
-        'namespace = "llm-appliance"\napi_server = {value}',
+        'api_server = "192.0.2.10/32"',
+        "api_server = {value}",
         "kubernetes.api_server",
         lambda x: f"10.96.0.1/32{x}",
     ),

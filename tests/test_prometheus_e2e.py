@@ -57,8 +57,10 @@ def fast_spec(example: Callable[..., Path], server_port: int, exporter_port: int
             # A stopped server is down, not hung: `consecutive` high enough that no restart cures it for us.
             # Contention off (1.0): what these tests prove needs decode samples, and on a busy box each would
             # be contended and left unjudged (the daemon's contention has tests of its own).
+            # The engine's own proof, whatever this machine's record says of its last change, judges nothing here
+            # (the engine's regression is tested in test_engine_changes.py): these tests wait for no alert at all.
             "interval_seconds = 10": f"interval_seconds = {INTERVAL_SECONDS}\nconsecutive = 100\n"
-            "contention_max_share = 1.0",
+            "contention_max_share = 1.0\nengine_regression = 0.99",
             "canary_after_idle_seconds = 60": "canary_after_idle_seconds = 0",
             'labels = { appliance = "demo" }': 'labels = { appliance = "demo" }\n'
             f"scrape_interval_seconds = {INTERVAL_SECONDS}\n"

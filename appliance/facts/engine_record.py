@@ -41,6 +41,10 @@ RUNG_MEANING: dict[Rung, str] = {
 }
 
 
+# Fingerprint fields a record may lack, written before they existed.
+ADDED_LATER = frozenset({"bindings"})
+
+
 @dataclass(frozen=True)
 class Fingerprint:
     """What a proof holds for: the same engine files on the same CPU, kernel and GPU driver."""
@@ -73,6 +77,8 @@ class Fingerprint:
         found = []
         for name, label in shown.items():
             before, after = getattr(old, name), getattr(self, name)
+            if name in ADDED_LATER and not before:
+                continue  # a record from before the field: it was not measured, not different
             if before != after:
                 digest = name.endswith("_digest")
                 found.append(

@@ -96,8 +96,18 @@ def validate_loaded(
                 )
             )
     target, draft = infos.get("target"), infos.get("draft")
-    # An engine that is not trusted lends no library to the vocabulary check: its error above says so.
-    if target is not None and draft is not None and spec.speculative.draft_types and not facts.binary_untrusted:
+    # An engine that is not trusted lends no library to the vocabulary check, and a model the service user cannot
+    # read cannot be compared by it (the check runs as that user): their errors above say so.
+    unreadable = any(
+        p.field in ("models.target.path", "models.draft.path") and p.severity is Severity.ERROR for p in found
+    )
+    if (
+        target is not None
+        and draft is not None
+        and spec.speculative.draft_types
+        and not facts.binary_untrusted
+        and not unreadable
+    ):
         found += _vocab_problems(
             spec.models.target.path, spec.models.draft.path if spec.models.draft else Path(), facts, vocab_reader
         )
